@@ -1,0 +1,75 @@
+"""The `kvshare` command line: one parser, with each part of the project registering its own subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# Each module has `register(cli: CommandLine)` and adds its subcommands; handlers import heavy modules lazily
+# so that `kvshare --help` stays fast.
+COMMAND_MODULES = (
+    "kvshare.pool.cli",  # kvshare pool serve|stats|check|bench
+    "kvshare.transfer.cli",  # kvshare validate transfer, kvshare bench transfer
+    "kvshare.engine.cli",  # kvshare serve, kvshare make-model
+    "kvshare.router.cli",  # kvshare route
+    "kvshare.bench.cli",  # kvshare bench cross-replica|sessions, kvshare demo, kvshare validate service
+)
+GROUPS = {
+    "pool": "the shared host-memory KV pool",
+    "validate": "correctness checks: byte-exact transfers, service regression",
+    "bench": "benchmarks: transfer, cross-replica TTFT, sessions",
+}
+
+
+class CommandLine:
+    """The top-level parser and its command groups; modules add commands with `command()`."""
+
+    def __init__(self) -> None:
+        self.parser = argparse.ArgumentParser(prog="kvshare", description=__doc__)
+        self.parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+        self._top = self.parser.add_subparsers(dest="command", metavar="COMMAND")
+        self._groups = {}
+        for name, help_text in GROUPS.items():
+            group = self._top.add_parser(name, help=help_text)
+            group.set_defaults(run=lambda args, group=group: group.print_help() or 2)
+            self._groups[name] = group.add_subparsers(dest="subcommand", metavar="SUBCOMMAND")
+
+    def command(self, name: str, help: str, group: str | None = None) -> argparse.ArgumentParser:
+        """A new subcommand parser: `kvshare NAME` or `kvshare GROUP NAME`. Set its handler with set_defaults(run=f)."""
+        subparsers = self._groups[group] if group else self._top
+        return subparsers.add_parser(name, help=help, description=help)
+
+
+def build() -> CommandLine:
+    cli = CommandLine()
+    for module_name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            if error.name != module_name:
+                raise
+            continue
+        module.register(cli)
+    return cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    cli = build()
+    args = cli.parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    if not hasattr(args, "run"):
+        cli.parser.print_help()
+        return 2
+    try:
+        return int(args.run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

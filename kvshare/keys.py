@@ -1,0 +1,78 @@
+"""Namespace and chunk keys: a seedless xxh3-128 prefix chain over token ids, identical in every process and host.
+
+Invariants:
+- A key depends only on its inputs' bytes (never on Python's `hash()`, PYTHONHASHSEED, the host or the process).
+- chunk_key(i) = H(chunk_key(i-1) or namespace key, token ids of chunk i as little-endian uint32), so equal keys
+  mean equal namespaces and equal whole prefixes (up to a 128-bit collision, which the pool rules out by comparing
+  the stored tokens on every hit).
+- Only full chunks get keys: a prompt of n tokens has n // chunk_tokens keys.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import numpy as np
+import xxhash
+
+KEY_BYTES = 16
+_NAMESPACE_TAG = b"kvshare/namespace/v1\0"
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that must match for two replicas to share KV bytes."""
+
+    model_fingerprint: str  # hash of the model's config and weights identity
+    dtype: str  # e.g. "bfloat16"
+    layout_id: str  # KVLayout.layout_id(): shapes, strides and block size of the engine's KV cache
+    chunk_tokens: int = 256
+    tp_rank: int = 0
+    tp_size: int = 1
+    salt: str = ""  # optional tenant salt: different salts never share
+
+    def __post_init__(self):
+        if self.chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens must be positive, got {self.chunk_tokens}")
+
+    @property
+    def key(self) -> bytes:
+        """The 16-byte namespace key: xxh3-128 of the canonical JSON of every field."""
+        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        return xxhash.xxh3_128_digest(_NAMESPACE_TAG + canonical)
+
+    def describe(self) -> str:
+        return f"{self.model_fingerprint[:12]}/{self.dtype}/{self.layout_id[:12]}/c{self.chunk_tokens}" + (
+            f"/tp{self.tp_rank}of{self.tp_size}" if self.tp_size > 1 else ""
+        ) + ("/salted" if self.salt else "")
+
+
+def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as little-endian uint32 bytes: the form that is hashed and that the pool stores for verification."""
+    array = np.asarray(token_ids, dtype=np.int64)
+    if array.size and (array.min() < 0 or array.max() >= 2**32):
+        raise ValueError("token ids must be in [0, 2**32)")
+    return array.astype("<u4").tobytes()
+
+
+def chunk_keys(namespace_key: bytes, token_ids: Sequence[int] | np.ndarray, chunk_tokens: int) -> list[bytes]:
+    """Keys of every full chunk of `token_ids`, in prefix order."""
+    data = token_bytes(token_ids)
+    step = chunk_tokens * 4
+    keys: list[bytes] = []
+    parent = namespace_key
+    for start in range(0, len(data) - step + 1, step):
+        parent = xxhash.xxh3_128_digest(parent + data[start : start + step])
+        keys.append(parent)
+    return keys
+
+
+def fingerprint(*parts: bytes | str) -> str:
+    """Hex xxh3-128 of the given parts, length-prefixed so that ("ab", "c") != ("a", "bc")."""
+    h = xxhash.xxh3_128()
+    for part in parts:
+        raw = part.encode() if isinstance(part, str) else part
+        h.update(len(raw).to_bytes(8, "little") + raw)
+    return h.hexdigest()
