@@ -87,6 +87,7 @@ class KVConnector(Protocol):
     becomes a miss (lookup returns 0, load returns False, store returns None) and costs only recompute (I7)."""
 
     chunk_tokens: int
+    stats: ConnectorStats
 
     def lookup(self, request_id: str, token_ids: Sequence[int], num_computed: int, salt: str = "") -> int:
         """Tokens beyond `num_computed` (a multiple of chunk_tokens, full chunks only) that the pool holds, under a
@@ -105,3 +106,20 @@ class KVConnector(Protocol):
     ) -> StoreHandle | None:
         """Store the full chunks of `token_ids` beyond the first `num_stored` tokens (already stored) from
         `block_ids`. Ordered after all work already queued on the current stream (I4)."""
+
+
+@dataclass
+class ConnectorStats:
+    """Counters a KV connector keeps; the server exports them on /metrics."""
+
+    lookups: int = 0
+    lookup_hit_tokens: int = 0
+    loads: int = 0
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    load_failures: int = 0
+    stores: int = 0
+    store_bytes: int = 0
+    store_seconds: float = 0.0
+    store_skipped_chunks: int = 0  # already in the pool
+    errors: int = 0  # pool errors of any kind, each turned into a miss
