@@ -1,0 +1,386 @@
+"""Connector core: chunk keys, pool calls and transfers for any engine; every pool failure becomes a miss (I7).
+
+Split in two halves so that an engine whose scheduler and workers live in different processes (vLLM) can use one
+half in each: `find`/`release_hit` need no KV tensors; `attach`, `load` and `store` move bytes. `PoolConnector` puts
+both halves behind the engine-facing `kvshare.engine.api.KVConnector` protocol for the reference engine.
+
+Invariants:
+- No method raises because of the pool: a missing, crashed, slow or full pool only costs recompute (I7).
+- A hit's pages are read only under its read lease, and the lease is released only after the load's copies have
+  completed (I3); a hit taken from one pool instance is never loaded from another (pool restarts reuse page numbers).
+- A store's chunk becomes visible only when COMMIT follows the completed copy (I2), and the engine gets a
+  StoreHandle that stays not-done until the copy out of its blocks has finished (I4).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import msgspec
+
+from kvshare.engine.api import ConnectorStats, StoreHandle
+from kvshare.keys import Namespace, chunk_keys, token_bytes
+
+log = logging.getLogger("kvshare.connector")
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    address: str  # pool socket path, "unix:PATH" or "tcp://HOST:PORT"
+    chunk_tokens: int = 256
+    timeout: float = 5.0  # per pool call
+    verify_checksums: bool = True  # hash each loaded chunk's pages and compare with the writer's checksum (I1)
+    retry_interval: float = 2.0  # after a connection failure, leave the pool alone this long before reconnecting
+
+
+class PoolHit(msgspec.Struct, frozen=True):
+    """A cached run of chunks under a read lease; serializable so a scheduler can hand it to a worker process."""
+
+    pool_instance: str  # which pool life the pages belong to
+    lease: int
+    first_chunk: int  # index (in the prompt) of chunks[0]
+    pages: list[list[int]]  # per chunk
+    nbytes: list[int]
+    checksums: list[int]
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.pages)
+
+
+class _PoolLink:
+    """One connection to the pool, reopened after failures; turns every pool error into None and a counted miss.
+
+    The lock serialises (re)connection only; the client itself is thread-safe per request.
+    """
+
+    def __init__(self, config: ConnectorConfig, stats: ConnectorStats, on_connect: Callable[[object], None]):
+        self._config, self._stats, self._on_connect = config, stats, on_connect
+        self._client = None
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+        self._logged: set[str] = set()
+        self._hello_sent: set[bytes] = set()
+
+    def client(self):
+        """The connected client, or None while the pool is down (then it is retried after retry_interval)."""
+        with self._lock:
+            if self._client is not None:
+                return self._client
+            if time.monotonic() < self._down_until:
+                return None
+            from kvshare.pool.client import PoolClient
+
+            try:
+                client = PoolClient.connect(self._config.address, timeout=self._config.timeout)
+                self._on_connect(client)
+            except Exception as error:  # noqa: BLE001 - any failure to connect or attach is a miss
+                self._mark_down(error)
+                return None
+            self._client, self._hello_sent = client, set()
+            self._log_once("connected", logging.INFO, f"connected to pool {self._config.address}")
+            return client
+
+    def call(self, what: str, fn: Callable, namespace: Namespace | None = None):
+        """fn(client) -> result, or None if the pool is down or answered an error (counted, logged once)."""
+        client = self.client()
+        if client is None:
+            return None
+        from kvshare.pool.client import PoolError, PoolUnavailable
+
+        try:
+            if namespace is not None and namespace.key not in self._hello_sent:
+                client.hello(namespace.key, namespace.describe())
+                self._hello_sent.add(namespace.key)
+            return fn(client)
+        except PoolUnavailable as error:
+            with self._lock:
+                if self._client is client:
+                    self._client = None
+                    self._mark_down(error)
+            return None
+        except (PoolError, OSError, ValueError) as error:
+            self._stats.errors += 1
+            self._log_once(f"{what}:{type(error).__name__}", logging.WARNING, f"pool {what} failed ({error}); recomputing")
+            return None
+
+    def _mark_down(self, error: Exception) -> None:
+        self._stats.errors += 1
+        self._down_until = time.monotonic() + self._config.retry_interval
+        self._log_once("down", logging.WARNING, f"pool {self._config.address} unavailable ({error}); serving without the shared cache until it returns")
+
+    def _log_once(self, key: str, level: int, message: str) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            log.log(level, message)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+
+class ConnectorCore:
+    """Keys, LOOKUP/RESERVE/COMMIT and transfers for one engine (one TP rank)."""
+
+    def __init__(self, config: ConnectorConfig, namespace: Namespace):
+        if namespace.chunk_tokens != config.chunk_tokens:
+            raise ValueError(f"namespace chunk_tokens {namespace.chunk_tokens} != connector chunk_tokens {config.chunk_tokens}")
+        self.config = config
+        self.chunk_tokens = config.chunk_tokens
+        self.stats = ConnectorStats()
+        self._base_namespace = namespace
+        self._layout = None
+        self._kv_caches = None
+        self._transfer = None  # rebuilt for each pool connection: a restarted pool has a new arena
+        self._instance = ""
+        self._link = _PoolLink(config, self.stats, self._on_connect)
+        self._committer = _Committer(self)
+
+    # ---- both halves -------------------------------------------------------------------------------------------
+    def namespace(self, salt: str = "") -> Namespace:
+        base = self._base_namespace
+        return base if salt == base.salt else Namespace(**{**base.__dict__, "salt": salt})
+
+    def chunk_plan(self, token_ids: Sequence[int], salt: str = "") -> tuple[Namespace, list[bytes], list[bytes]]:
+        """(namespace, keys, token bytes per chunk) for every full chunk of token_ids."""
+        namespace = self.namespace(salt)
+        keys = chunk_keys(namespace.key, token_ids, self.chunk_tokens)
+        data = token_bytes(token_ids[: len(keys) * self.chunk_tokens])
+        step = 4 * self.chunk_tokens
+        return namespace, keys, [data[i * step : (i + 1) * step] for i in range(len(keys))]
+
+    # ---- scheduler half: no tensors -----------------------------------------------------------------------------
+    def find(self, token_ids: Sequence[int], num_computed: int, salt: str = "") -> PoolHit | None:
+        """The pool's cached full chunks beyond the first `num_computed` tokens, under a read lease, or None."""
+        namespace, keys, tokens = self.chunk_plan(token_ids, salt)
+        if len(keys) * self.chunk_tokens <= num_computed:
+            return None
+        self.stats.lookups += 1
+        # LOOKUP always starts at chunk 0 so the pool verifies the whole chain (parents and tokens) it serves.
+        found = self._link.call("lookup", lambda c: (c.lookup(namespace.key, keys, tokens), self._instance), namespace)
+        if found is None:
+            return None
+        lookup, instance = found
+        first = num_computed // self.chunk_tokens
+        if len(lookup.chunks) <= first:
+            if lookup.lease:
+                self._link.call("release", lambda c: c.release(lookup.lease))
+            return None
+        chunks = lookup.chunks[first:]
+        hit = PoolHit(instance, lookup.lease, first, [list(c.pages) for c in chunks], [c.nbytes for c in chunks], [c.checksum for c in chunks])
+        self.stats.lookup_hit_tokens += (first + hit.num_chunks) * self.chunk_tokens - num_computed
+        return hit
+
+    def release_hit(self, hit: PoolHit) -> None:
+        if hit.pool_instance == self._instance:
+            self._link.call("release", lambda c: c.release(hit.lease))
+
+    # ---- worker half: moves bytes ------------------------------------------------------------------------------
+    def attach(self, layout, kv_caches: Sequence) -> None:
+        """Give the core the engine's KV tensors (described by a kvshare.transfer.KVLayout)."""
+        self._layout, self._kv_caches = layout, list(kv_caches)
+        self._link.client()  # connect now so the first request does not pay for mapping/registration
+
+    def _on_connect(self, client) -> None:
+        # Called under the link's lock for each new connection: the arena (and so every page view) is new.
+        self._instance = f"{client.arena_path}:{client.instance_id}"
+        self._transfer = None
+        if self._kv_caches is not None:
+            from kvshare.transfer import make_transfer
+
+            self._transfer = make_transfer(self._layout, self._kv_caches, client.torch_pages())
+
+    def load(self, hit: PoolHit, block_ids: Sequence[int], num_computed: int) -> bool:
+        """Load the hit's chunks into `block_ids` (the request's block table), skipping blocks below num_computed.
+
+        Returns True once later work on the current stream is ordered after the copies (I5); False = recompute.
+        """
+        started = time.perf_counter()
+        try:
+            ok = self._load(hit, block_ids, num_computed)
+        except Exception as error:  # noqa: BLE001 - a failed load is a miss, never a failed request
+            log.warning("pool load failed (%s); recomputing", error)
+            ok = False
+        finally:
+            # The lease ends only here, after _load waited for its copies: until then the pages cannot be evicted.
+            self.release_hit(hit)
+        if ok:
+            self.stats.loads += 1
+            self.stats.load_bytes += sum(hit.nbytes)
+            self.stats.load_seconds += time.perf_counter() - started
+        else:
+            self.stats.load_failures += 1
+        return ok
+
+    def _load(self, hit: PoolHit, block_ids: Sequence[int], num_computed: int) -> bool:
+        from kvshare.transfer import LoadJob
+
+        transfer = self._transfer
+        if transfer is None or hit.pool_instance != self._instance:
+            return False  # the pool restarted since the lookup: those page numbers now mean other bytes
+        if self.config.verify_checksums:
+            for pages, nbytes, checksum in zip(hit.pages, hit.nbytes, hit.checksums):
+                if transfer.checksum(pages, nbytes) != checksum:
+                    self.stats.errors += 1
+                    log.error("pool chunk failed its checksum; recomputing (pages %s)", pages[:4])
+                    return False
+        per_chunk = self.chunk_tokens // self._layout.block_size
+        skip_below = num_computed // self._layout.block_size
+        jobs = []
+        for i, pages in enumerate(hit.pages):
+            first_block = (hit.first_chunk + i) * per_chunk
+            blocks = [b if first_block + j >= skip_below else -1 for j, b in enumerate(block_ids[first_block : first_block + per_chunk])]
+            jobs.append(LoadJob(pages=pages, block_ids=blocks))
+        # wait(): the lease is released right after, so the host must know the page reads are finished (I3).
+        transfer.load(jobs).wait()
+        return True
+
+    def store(self, token_ids: Sequence[int], block_ids: Sequence[int], num_stored: int, salt: str = "") -> StoreHandle | None:
+        """Store the full chunks of token_ids beyond the first `num_stored` tokens. Never raises."""
+        try:
+            return self._store(token_ids, block_ids, num_stored, salt)
+        except Exception as error:  # noqa: BLE001
+            self.stats.errors += 1
+            log.warning("pool store failed (%s); continuing without it", error)
+            return None
+
+    def _store(self, token_ids, block_ids, num_stored, salt) -> StoreHandle | None:
+        from kvshare.pool.client import NewChunk
+        from kvshare.transfer import StoreJob
+
+        namespace, keys, tokens = self.chunk_plan(token_ids, salt)
+        first = num_stored // self.chunk_tokens
+        if first >= len(keys) or self._layout is None:
+            return None
+        nbytes = self._layout.chunk_bytes(self.chunk_tokens)
+        parents = [namespace.key, *keys[:-1]]
+        new = [NewChunk(key=keys[i], parent=parents[i], tokens=tokens[i], nbytes=nbytes) for i in range(first, len(keys))]
+        started = time.perf_counter()
+        found = self._link.call("reserve", lambda c: (c.reserve(namespace.key, new), self._transfer), namespace)
+        if found is None:
+            return None
+        reservation, transfer = found
+        per_chunk = self.chunk_tokens // self._layout.block_size
+        jobs, refs = [], []
+        for i, ref in enumerate(reservation.chunks, start=first):
+            if ref is None:
+                self.stats.store_skipped_chunks += 1
+                continue
+            jobs.append(StoreJob(block_ids=list(block_ids[i * per_chunk : (i + 1) * per_chunk]), pages=list(ref.pages)))
+            refs.append(ref)
+        if not jobs:
+            if reservation.lease:
+                self._link.call("release", lambda c: c.release(reservation.lease))
+            return None
+        handle = transfer.store(jobs)
+        # COMMIT only after the copies finished (I2): the committer thread waits on the handle, then hashes and commits.
+        self._committer.submit(reservation.lease, refs, handle, transfer, started)
+        return StoreHandle(is_done=handle.done, block_ids=tuple(b for job in jobs for b in job.block_ids))
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until every store submitted so far is committed (tests, shutdown)."""
+        self._committer.flush(timeout)
+
+    def close(self) -> None:
+        self._committer.flush(10.0)
+        self._link.close()
+
+
+class _Committer:
+    """Background thread that commits stores once their copies complete, so the engine never waits for COMMIT."""
+
+    def __init__(self, core: ConnectorCore):
+        self._core = core
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="kvshare-committer", daemon=True)
+        self._thread.start()
+
+    def submit(self, lease, refs, handle, transfer, started) -> None:
+        self._queue.put((lease, refs, handle, transfer, started))
+
+    def flush(self, timeout: float) -> None:
+        done = threading.Event()
+        self._queue.put(done)
+        done.wait(timeout)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            lease, refs, handle, transfer, started = item
+            core = self._core
+            try:
+                handle.wait()  # the bytes are in the pages only after this (I2, I4)
+                checksums = [transfer.checksum(ref.pages, ref.nbytes) for ref in refs]
+            except Exception as error:  # noqa: BLE001 - an unfinished store is dropped; its lease times out
+                core.stats.errors += 1
+                log.warning("pool store copy failed (%s); dropping it", error)
+                continue
+            if core._link.call("commit", lambda c: c.commit(lease, checksums) or True):
+                core.stats.stores += len(refs)
+                core.stats.store_bytes += sum(ref.nbytes for ref in refs)
+                core.stats.store_seconds += time.perf_counter() - started
+
+
+class PoolConnector:
+    """The reference engine's KVConnector: ConnectorCore plus per-request bookkeeping of hits."""
+
+    def __init__(self, core: ConnectorCore):
+        self.core = core
+        self.chunk_tokens = core.chunk_tokens
+        self.stats = core.stats
+        self._hits: dict[str, PoolHit] = {}
+        self._lock = threading.Lock()  # submit() and the engine thread may both touch _hits
+
+    @classmethod
+    def for_engine(cls, engine, config: ConnectorConfig) -> "PoolConnector":
+        from kvshare.transfer import KVLayout
+
+        layout = KVLayout.from_tensors(engine.kv_caches, kind="blocks_kv", block_size=engine.block_size)
+        namespace = Namespace(
+            model_fingerprint=engine.model_fingerprint,
+            dtype=str(engine.dtype).removeprefix("torch."),
+            layout_id=layout.layout_id(),
+            chunk_tokens=config.chunk_tokens,
+        )
+        if config.chunk_tokens % engine.block_size:
+            raise ValueError(f"--chunk-tokens {config.chunk_tokens} must be a multiple of the block size {engine.block_size}")
+        core = ConnectorCore(config, namespace)
+        core.attach(layout, engine.kv_caches)
+        return cls(core)
+
+    def lookup(self, request_id: str, token_ids: Sequence[int], num_computed: int, salt: str = "") -> int:
+        hit = self.core.find(token_ids, num_computed, salt)
+        if hit is None:
+            return 0
+        with self._lock:
+            self._hits[request_id] = hit
+        return (hit.first_chunk + hit.num_chunks) * self.chunk_tokens - num_computed
+
+    def load(self, request_id: str, block_ids: Sequence[int], num_computed: int, num_tokens: int) -> bool:
+        with self._lock:
+            hit = self._hits.pop(request_id, None)
+        if hit is None:
+            return False
+        return self.core.load(hit, block_ids, num_computed)
+
+    def release(self, request_id: str) -> None:
+        with self._lock:
+            hit = self._hits.pop(request_id, None)
+        if hit is not None:
+            self.core.release_hit(hit)
+
+    def store(self, request_id, token_ids, block_ids, num_stored, salt: str = "") -> StoreHandle | None:
+        return self.core.store(token_ids, block_ids, num_stored, salt)
+
+    def close(self) -> None:
+        self.core.close()
