@@ -1,0 +1,66 @@
+"""Registers `kvshare route` (the router) and `kvshare bench router-overhead` (its TTFT overhead benchmark)."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvshare.router.config import RouterConfig
+
+_POLICIES = ("round-robin", "alternate", "fixed", "least-loaded", "cache-aware")  # kvshare.router.policies.POLICIES
+
+
+def register(cli) -> None:
+    route = cli.command("route", help="OpenAI-compatible router with placement policies in front of replicas")
+    route.add_argument("--replica", action="append", default=[], metavar="URL", help="replica base URL (repeat)")
+    route.add_argument("--replicas-file", metavar="FILE", help="file with one replica URL per line")
+    route.add_argument("--policy", default=RouterConfig.policy, choices=_POLICIES)
+    route.add_argument("--host", default=RouterConfig.host)
+    route.add_argument("--port", type=int, default=RouterConfig.port)
+    route.add_argument("--health-interval", type=float, default=RouterConfig.health_interval_s, metavar="S")
+    route.add_argument("--health-timeout", type=float, default=RouterConfig.health_timeout_s, metavar="S")
+    route.add_argument("--read-timeout", type=float, default=RouterConfig.read_timeout_s, metavar="S")
+    route.add_argument("--prefix-chunk-tokens", type=int, default=RouterConfig.prefix_chunk_tokens)
+    route.add_argument("--prefix-chunk-bytes", type=int, default=RouterConfig.prefix_chunk_bytes)
+    route.add_argument("--load-weight", type=float, default=RouterConfig.load_weight,
+                       help="cache-aware: score = uncached fraction + LOAD_WEIGHT * in-flight requests")
+    route.set_defaults(run=_route)
+
+    bench = cli.command("router-overhead", help="TTFT through the router vs direct, on loopback", group="bench")
+    bench.add_argument("--requests", type=int, default=200, help="requests per arm")
+    bench.add_argument("--first-token-delay-ms", type=float, default=20.0, help="stub replica's time to first token")
+    bench.add_argument("--json", metavar="PATH", help="write the results as JSON here")
+    bench.set_defaults(run=_bench)
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    from kvshare.router.config import read_replicas_file
+
+    urls = [url.rstrip("/") for url in args.replica]
+    if args.replicas_file:
+        urls += read_replicas_file(args.replicas_file)
+    return RouterConfig(
+        replicas=tuple(urls), policy=args.policy, host=args.host, port=args.port,
+        health_interval_s=args.health_interval, health_timeout_s=args.health_timeout,
+        read_timeout_s=args.read_timeout, prefix_chunk_tokens=args.prefix_chunk_tokens,
+        prefix_chunk_bytes=args.prefix_chunk_bytes, load_weight=args.load_weight,
+    )
+
+
+def _route(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvshare.router.app import create_app
+
+    try:
+        config = config_from_args(args)
+    except (ValueError, OSError) as error:
+        print(f"kvshare route: {error}")
+        return 2
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning", access_log=False)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kvshare.router.bench import run_overhead_bench
+
+    return run_overhead_bench(args.requests, args.first_token_delay_ms, args.json)
