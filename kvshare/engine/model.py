@@ -1,0 +1,189 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) with prefill and decode over the paged KV cache.
+
+Module and parameter names mirror Hugging Face (`model.layers.N.self_attn.q_proj.weight`, ...) so checkpoints load
+by name. Prefill runs layer by layer over the whole new span: token-wise work (norms, projections, MLP) in chunks of
+`chunk` tokens and attention over the whole sequence per KV-head group, updating the hidden states in place; this
+bounds activation memory to about two full-sequence buffers (hidden states and q/attention output) plus one chunk.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvshare.engine.attention import decode_attention, prefill_attention, slot_indices, write_kv
+from kvshare.engine.config import ModelConfig, RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before the weight, as the reference implementations do.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """RoPE inverse frequencies (fp32), with Llama 3.1 scaling: long wavelengths slowed by `factor`, short ones kept,
+    the band between interpolated smoothly."""
+    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.kind != "llama3":
+        return inv
+    wavelen = 2 * math.pi / inv
+    low_wavelen = rope.original_max_position / rope.low_freq_factor
+    high_wavelen = rope.original_max_position / rope.high_freq_factor
+    scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
+    smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rotary:
+    """cos/sin tables for positions [0, n), grown on demand, in the model's dtype on its device."""
+
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype):
+        self.inv_freq = inverse_frequencies(config.rope, config.head_dim).to(device)
+        self.dtype = dtype
+        self.cos = self.sin = torch.empty(0, config.head_dim, device=device, dtype=dtype)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of shape (T, 1, D) for the given positions."""
+        needed = int(positions.max()) + 1
+        if needed > self.cos.shape[0]:
+            n = max(needed, 2 * self.cos.shape[0])
+            freqs = torch.outer(torch.arange(n, device=self.inv_freq.device, dtype=torch.float32), self.inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        return self.cos[positions][:, None], self.sin[positions][:, None]
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (T, heads, D) by the half-split convention: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.scale = c.head_dim**-0.5
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.qk_norm = c.qk_norm
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x (T, hidden) -> roped q (T, heads, D), roped k (T, kv_heads, D), v (T, kv_heads, D)."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def prefill(self, h, cache, block_table, start, cos, sin, chunk):
+        """Advance hidden states h (T, hidden) of positions [start, start+T) through this layer, in place."""
+        attn, t = self.self_attn, h.shape[0]
+        blocks, offsets = slot_indices(block_table, start, start + t, cache.shape[2])
+        q = h.new_empty(t, attn.num_heads, attn.head_dim)  # reused for the attention output
+        for s in range(0, t, chunk):
+            e = min(t, s + chunk)
+            q[s:e], k, v = attn.qkv(self.input_layernorm(h[s:e]), cos[s:e], sin[s:e])
+            write_kv(cache, blocks[s:e], offsets[s:e], k, v)
+        prefill_attention(q, cache, block_table, start, attn.scale)
+        q = q.view(t, -1)
+        for s in range(0, t, chunk):
+            e = min(t, s + chunk)
+            h[s:e] += attn.o_proj(q[s:e])
+            h[s:e] += self.mlp(self.post_attention_layernorm(h[s:e]))
+
+    def decode(self, h, cache, block_tables, positions, cos, sin):
+        """One new token per sequence: h (B, hidden) at `positions`; each sequence's K/V spans [0, position]."""
+        attn = self.self_attn
+        q, k, v = attn.qkv(self.input_layernorm(h), cos, sin)
+        block_size = cache.shape[2]
+        blocks = torch.stack([table[p // block_size] for table, p in zip(block_tables, positions)])
+        write_kv(cache, blocks, torch.tensor([p % block_size for p in positions], device=h.device), k, v)
+        out = decode_attention(q, cache, block_tables, [p + 1 for p in positions], attn.scale)
+        h = h + attn.o_proj(out.flatten(1))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The whole model. Parameters are created on the meta device and assigned by the loader (kvshare.engine.weights)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Next-token logits (fp32) of the hidden states h (N, hidden)."""
+        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return F.linear(self.model.norm(h), weight).float()
+
+    @torch.inference_mode()
+    def prefill(self, token_ids, start, kv_caches, block_table, rotary: Rotary, chunk: int) -> torch.Tensor:
+        """Compute K/V of `token_ids` at positions [start, start+T) into the cache (earlier positions must already be
+        there) and return the logits of the last position (1, vocab)."""
+        h = self.model.embed_tokens(token_ids)  # (T, hidden), updated in place layer by layer
+        cos, sin = rotary.tables(torch.arange(start, start + len(token_ids), device=token_ids.device))
+        for layer, cache in zip(self.model.layers, kv_caches):
+            layer.prefill(h, cache, block_table, start, cos, sin, chunk)
+        return self.logits(h[-1:])
+
+    @torch.inference_mode()
+    def decode(self, token_ids, positions: list[int], kv_caches, block_tables, rotary: Rotary) -> torch.Tensor:
+        """One step for B sequences: token_ids (B,) at `positions`; returns logits (B, vocab)."""
+        h = self.model.embed_tokens(token_ids)
+        cos, sin = rotary.tables(torch.tensor(positions, device=token_ids.device))
+        for layer, cache in zip(self.model.layers, kv_caches):
+            h = layer.decode(h, cache, block_tables, positions, cos, sin)
+        return self.logits(h)
