@@ -1,0 +1,110 @@
+"""`kvshare pool serve|stats|check|bench`: flags map one to one onto PoolConfig; handlers import lazily."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+SERVE_HELP = """Run the shared host-memory KV pool: create the arena file, prepare its memory in the background
+(the pool serves at once; usable capacity grows until a "ready" line is printed), and answer the control protocol
+on a Unix socket. SIGTERM or SIGINT shut it down and remove the socket and arena (unless --keep)."""
+
+
+def register(cli) -> None:
+    serve = cli.command("serve", "run the pool server", group="pool")
+    serve.description = SERVE_HELP
+    serve.add_argument("--size", required=True, help="arena size, e.g. 16GiB; must fit in free RAM and in the arena's "
+                       "file system (checked at start)")
+    serve.add_argument("--socket", required=True, help="Unix socket path clients connect to (mode 0660)")
+    serve.add_argument("--arena", default="", help="arena file (default /dev/shm/kvshare-<pid>.arena, or "
+                       "/dev/hugepages/... with --hugetlb); created with mode 0660, must not exist")
+    serve.add_argument("--page-size", default="2MiB", help="allocation unit (default 2MiB); a chunk spans "
+                       "ceil(nbytes / page size) pages, not necessarily adjacent")
+    serve.add_argument("--hugetlb", action="store_true", help="put the arena on hugetlbfs (/dev/hugepages): 512x "
+                       "fewer page faults; page size must be a multiple of the huge page size")
+    serve.add_argument("--tcp", default="", metavar="HOST:PORT", help="also listen on TCP (needs --token-file)")
+    serve.add_argument("--token-file", default="", help="file holding the shared token TCP clients must send first")
+    serve.add_argument("--lease-timeout", type=float, default=30.0, help="seconds after which a lease ends even if "
+                       "its client never releases it (default 30)")
+    serve.add_argument("--high-watermark", type=float, default=0.95, help="used fraction above which RESERVE evicts "
+                       "least recently used unleased chunks (default 0.95)")
+    serve.add_argument("--low-watermark", type=float, default=0.90, help="used fraction eviction brings the pool "
+                       "down to (default 0.90)")
+    serve.add_argument("--keep", action="store_true", help="keep the socket and arena files at shutdown")
+    serve.add_argument("--check-integrity", action="store_true", help="debug: verify the pool's bookkeeping after "
+                       "every request that changes it (slow for big pools)")
+    serve.set_defaults(run=_serve)
+
+    stats = cli.command("stats", "print a running pool's statistics", group="pool")
+    stats.add_argument("--socket", required=True, help="the pool's address (socket path or tcp://HOST:PORT)")
+    stats.add_argument("--token-file", default="", help="token file for a TCP address")
+    stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    stats.set_defaults(run=_stats)
+
+    check = cli.command("check", "full-pool allocation check: reserve every page, write, read back, verify", group="pool")
+    check.add_argument("--size", default="1GiB", help="size of the pool to start for the check (default 1GiB)")
+    check.add_argument("--socket", default="", help="check a running pool instead (uses its free pages only)")
+    check.add_argument("--page-size", default="2MiB")
+    check.set_defaults(run=_check)
+
+    bench = cli.command("bench", "pool vs memcpy vs Redis: store/retrieve GB/s, LOOKUP latency, start-up", group="pool")
+    bench.add_argument("--chunks", type=int, default=1024, help="1 MiB chunks to store and retrieve (default 1024)")
+    bench.add_argument("--repeats", type=int, default=5, help="timed passes per measurement; the best is reported")
+    bench.add_argument("--startup-size", default="4GiB", help="pool size whose start-up time is measured")
+    bench.add_argument("--json", default="", metavar="PATH", help="also write the results as JSON")
+    bench.add_argument("--no-redis", action="store_true", help="skip the Redis comparison")
+    bench.set_defaults(run=_bench)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvshare.pool.arena import ArenaError
+    from kvshare.pool.config import PoolConfig
+    from kvshare.pool.server import serve
+    from kvshare.units import parse_size
+
+    try:
+        token = open(args.token_file).read().strip() if args.token_file else ""
+        config = PoolConfig(
+            size=parse_size(args.size), socket=args.socket, arena=args.arena, page_size=parse_size(args.page_size),
+            hugetlb=args.hugetlb, tcp=args.tcp, token=token, lease_timeout=args.lease_timeout,
+            high_watermark=args.high_watermark, low_watermark=args.low_watermark, keep=args.keep,
+            check_integrity=args.check_integrity,
+        )
+        return serve(config)
+    except (ValueError, ArenaError, RuntimeError, OSError) as error:
+        print(f"kvshare pool serve: {error}", file=sys.stderr)
+        return 1
+
+
+def _stats(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from kvshare.pool.client import PoolClient, PoolError
+    from kvshare.pool.report import print_stats
+
+    token = open(args.token_file).read().strip() if args.token_file else None
+    try:
+        with PoolClient.connect(args.socket, token=token, map_arena=False) as client:
+            stats = client.stats()
+    except PoolError as error:
+        print(f"kvshare pool stats: {error}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(msgspec.json.format(msgspec.json.encode(stats).decode()))
+    else:
+        print_stats(stats)
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from kvshare.pool.check import run_check
+
+    return run_check(size=args.size, socket=args.socket, page_size=args.page_size)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kvshare.pool.bench import BenchConfig, run_bench
+
+    config = BenchConfig(chunks=args.chunks, repeats=args.repeats, startup_size=args.startup_size,
+                         redis=not args.no_redis, command=" ".join(["kvshare", *sys.argv[1:]]))
+    return run_bench(config, json_path=args.json)

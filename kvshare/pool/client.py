@@ -1,0 +1,217 @@
+"""PoolClient: the typed, thread-safe, blocking client of the pool's control plane, with a zero-copy arena view.
+
+Data plane: the client maps the arena itself and copies chunk bytes in and out of `pages`; the pool never sees
+them. Control plane: one request/response at a time on one socket, under a lock, with a timeout on every call.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from typing import TYPE_CHECKING
+
+import msgspec
+import numpy as np
+import xxhash
+
+from kvshare.pool import protocol as p
+from kvshare.pool.arena import Mapping
+from kvshare.pool.protocol import ChunkRef, NewChunk
+from kvshare.pool.stats import PoolStats
+
+if TYPE_CHECKING:
+    import torch
+
+Lookup = p.LookupReply  # Lookup(lease: int (0: nothing found), chunks: list[ChunkRef])
+Reservation = p.ReserveReply  # Reservation(lease: int, chunks: list[ChunkRef | None]) (None: skip, do not write)
+__all__ = ["ChunkRef", "Lookup", "NewChunk", "PoolClient", "PoolError", "PoolUnavailable", "Reservation", "checksum"]
+
+
+class PoolError(Exception):
+    """The pool answered with an error; `code` is a protocol.ErrorCode value, the message says what to do."""
+
+    def __init__(self, message: str, code: str = p.ErrorCode.INTERNAL) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PoolUnavailable(PoolError):
+    """No pool to talk to: socket missing, connection refused, timed out or closed."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "unavailable")
+
+
+def checksum(data: np.ndarray | bytes | memoryview) -> int:
+    """The chunk checksum COMMIT carries: xxh3-64 of the chunk's bytes."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+class PoolClient:
+    def __init__(self, sock: socket.socket, address: str, timeout: float, info: p.ArenaInfo | None) -> None:
+        self._sock = sock
+        self._address = address
+        self._timeout = timeout
+        self._lock = threading.Lock()  # one request/response pair at a time: replies carry no request id
+        self._broken = False
+        self.page_size = info.page_size if info else 0
+        self.num_pages = info.num_pages if info else 0
+        self.arena_path = info.path if info else ""
+        self._mapping: Mapping | None = None
+
+    @classmethod
+    def connect(
+        cls, address: str, *, timeout: float = 5.0, token: str | None = None, populate: bool = False,
+        map_arena: bool = True,
+    ) -> "PoolClient":
+        """Connect to `address` (a Unix socket path, "unix:PATH" or "tcp://HOST:PORT") and map the arena.
+        `populate` pre-faults this process's mapping (MAP_POPULATE): slower connect, full-speed first copies."""
+        sock = _open_socket(address, timeout)
+        client = cls(sock, address, timeout, None)
+        try:
+            info = client._call(p.Attach(token or "", os.getpid()), p.ArenaInfo)
+            client.page_size, client.num_pages, client.arena_path = info.page_size, info.num_pages, info.path
+            if map_arena:
+                client._map(populate)
+        except BaseException:
+            client.close()
+            raise
+        return client
+
+    def _map(self, populate: bool) -> None:
+        try:
+            self._mapping = Mapping(self.arena_path, self.page_size, self.num_pages, populate)
+        except OSError as error:
+            raise PoolUnavailable(f"cannot map the pool's arena {self.arena_path}: {error.strerror}; the client must "
+                                  "run on the pool's host with access to that file (group of the pool's user)") from None
+
+    # ---- data plane --------------------------------------------------------------------------------------------
+
+    @property
+    def pages(self) -> np.ndarray:
+        """uint8 [num_pages, page_size], a zero-copy view of the arena."""
+        if self._mapping is None:
+            raise PoolUnavailable("the arena is not mapped (closed, or connected with map_arena=False)")
+        return self._mapping.pages
+
+    def torch_pages(self) -> "torch.Tensor":
+        """uint8 [num_pages, page_size] torch tensor sharing memory with the arena (zero copy)."""
+        import torch
+
+        return torch.from_numpy(self.pages)
+
+    def write(self, ref: ChunkRef, data: np.ndarray | bytes) -> None:
+        """Copy a chunk's bytes into its reserved pages (page i gets bytes [i * page_size, (i + 1) * page_size))."""
+        src = np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytes, bytearray, memoryview)) else data
+        src = src.reshape(-1).view(np.uint8)
+        if src.size != ref.nbytes:
+            raise ValueError(f"chunk has {src.size} bytes but {ref.nbytes} were reserved")
+        for i, page in enumerate(ref.pages):
+            part = src[i * self.page_size : (i + 1) * self.page_size]
+            self.pages[page, : part.size] = part
+
+    def read(self, ref: ChunkRef, out: np.ndarray | None = None) -> np.ndarray:
+        """A chunk's bytes copied out of the arena (into `out` if given, uint8 of nbytes)."""
+        out = np.empty(ref.nbytes, dtype=np.uint8) if out is None else out.reshape(-1).view(np.uint8)
+        for i, page in enumerate(ref.pages):
+            part = out[i * self.page_size : (i + 1) * self.page_size]
+            part[:] = self.pages[page, : part.size]
+        return out
+
+    # ---- control plane -----------------------------------------------------------------------------------------
+
+    def hello(self, namespace_key: bytes, description: str = "") -> None:
+        self._call(p.Hello(namespace_key, description), p.Ok)
+
+    def lookup(self, namespace_key: bytes, keys: list[bytes], tokens: list[bytes]) -> Lookup:
+        return self._call(p.Lookup(namespace_key, keys, tokens), p.LookupReply)
+
+    def reserve(self, namespace_key: bytes, chunks: list[NewChunk]) -> Reservation:
+        return self._call(p.Reserve(namespace_key, chunks), p.ReserveReply)
+
+    def commit(self, lease: int, checksums: list[int]) -> None:
+        self._call(p.Commit(lease, checksums), p.Ok)
+
+    def release(self, lease: int) -> None:
+        self._call(p.Release(lease), p.Ok)
+
+    def stats(self) -> PoolStats:
+        return self._call(p.Stats(), p.StatsReply).stats
+
+    def clear(self) -> int:
+        """Drop every committed chunk not under a read lease; returns how many were dropped."""
+        return self._call(p.Clear(), p.Ok).count
+
+    def health(self, deep: bool = False) -> bool:
+        """True if the pool answers (and, with deep=True, its integrity check passes)."""
+        return self._call(p.Health(deep), p.HealthReply).ok
+
+    def _call(self, request: p.Request, expected: type):
+        with self._lock:
+            if self._broken:
+                raise PoolUnavailable(f"connection to pool {self._address} is closed: connect again")
+            try:
+                self._sock.sendall(p.frame(request))
+                reply = p.reply_decoder.decode(self._recv_frame())
+            except (OSError, EOFError, msgspec.DecodeError) as error:
+                # After a timeout a late reply could be mistaken for the next one: this connection is done.
+                self._broken = True
+                self._sock.close()
+                what = "did not answer within %gs" % self._timeout if isinstance(error, TimeoutError) else str(error)
+                raise PoolUnavailable(f"pool {self._address} {what}: its leases on this connection are ended") from None
+        if isinstance(reply, p.Error):
+            raise PoolError(reply.message, reply.code)
+        if not isinstance(reply, expected):
+            raise PoolError(f"unexpected reply {type(reply).__name__} to {type(request).__name__}")
+        return reply
+
+    def _recv_frame(self) -> bytes:
+        (length,) = p.HEADER.unpack(self._recv_exactly(p.HEADER.size))
+        return self._recv_exactly(length)
+
+    def _recv_exactly(self, n: int) -> bytearray:
+        buffer = bytearray(n)
+        view = memoryview(buffer)
+        got = 0
+        while got < n:
+            k = self._sock.recv_into(view[got:])
+            if k == 0:
+                raise EOFError("closed the connection")
+            got += k
+        return buffer  # msgspec decodes from any bytes-like object
+
+    def close(self) -> None:
+        with self._lock:
+            self._broken = True
+            self._sock.close()
+        if self._mapping is not None:
+            self._mapping.close()
+            self._mapping = None
+
+    def __enter__(self) -> "PoolClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _open_socket(address: str, timeout: float) -> socket.socket:
+    if address.startswith("tcp://"):
+        host, port = address[len("tcp://"):].rsplit(":", 1)
+        target, family = (host, int(port)), socket.AF_INET
+    else:
+        target, family = address.removeprefix("unix:"), socket.AF_UNIX
+        if not os.path.exists(target):
+            raise PoolUnavailable(
+                f"pool socket {target} not found: start `kvshare pool serve --socket {target}` or pass --pool none"
+            )
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(target)
+    except OSError as error:
+        sock.close()
+        raise PoolUnavailable(f"cannot connect to pool {address}: {error.strerror or error}; is "
+                              "`kvshare pool serve` running?") from None
+    return sock

@@ -1,0 +1,57 @@
+"""The pool server's configuration: one frozen dataclass whose fields map one to one onto `kvshare pool serve` flags."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+MiB = 1 << 20
+DEFAULT_PAGE_SIZE = 2 * MiB
+DEFAULT_MAX_FRAME = 64 * MiB  # a 256k-token LOOKUP carries ~1 MiB of tokens; 64x headroom
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    size: int  # arena bytes; rounded down to whole pages
+    socket: str
+    arena: str = ""  # "" -> /dev/shm/kvshare-<pid>.arena (or /dev/hugepages/... with hugetlb)
+    page_size: int = DEFAULT_PAGE_SIZE
+    hugetlb: bool = False
+    tcp: str = ""  # "HOST:PORT" or ""
+    token: str = ""  # shared secret required over TCP
+    lease_timeout: float = 30.0
+    high_watermark: float = 0.95
+    low_watermark: float = 0.90
+    keep: bool = False  # keep socket and arena files at shutdown
+    max_frame: int = DEFAULT_MAX_FRAME
+    check_integrity: bool = False  # debug: run check_integrity() after every request that changes state
+    prepare_threads: int = 0  # 0 -> min(os.cpu_count(), 16)
+
+    def __post_init__(self):
+        if self.page_size <= 0 or self.page_size % 4096:
+            raise ValueError(f"page size must be a positive multiple of 4096 bytes, got {self.page_size}")
+        if self.size < self.page_size:
+            raise ValueError(f"pool size {self.size} is smaller than one page ({self.page_size} bytes): raise --size")
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise ValueError(
+                f"watermarks must satisfy 0 < low <= high <= 1, got low={self.low_watermark} high={self.high_watermark}"
+            )
+        if self.lease_timeout <= 0:
+            raise ValueError(f"lease timeout must be positive, got {self.lease_timeout}")
+        if self.tcp and not self.token:
+            raise ValueError("--tcp needs a shared token: pass --token-file FILE (clients send it in their first message)")
+
+    @property
+    def num_pages(self) -> int:
+        return self.size // self.page_size
+
+    @property
+    def arena_path(self) -> str:
+        if self.arena:
+            return self.arena
+        directory = "/dev/hugepages" if self.hugetlb else "/dev/shm"
+        return os.path.join(directory, f"kvshare-{os.getpid()}.arena")
+
+    @property
+    def threads(self) -> int:
+        return self.prepare_threads or min(os.cpu_count() or 1, 16)

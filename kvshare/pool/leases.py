@@ -1,0 +1,56 @@
+"""Leases: who holds which chunks, for how long. A read lease pins committed chunks; a write lease owns reserved ones.
+
+Invariants: a lease belongs to one client connection and ends exactly once: by RELEASE (or COMMIT for a write lease),
+by its deadline passing, or by its connection closing (I8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+READ, WRITE = "read", "write"
+
+
+@dataclass
+class Lease:
+    id: int
+    kind: str  # READ | WRITE
+    client: int
+    keys: list[bytes]
+    deadline: float
+
+
+class LeaseTable:
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._leases: dict[int, Lease] = {}
+        self._next_id = 1
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def __iter__(self):
+        return iter(list(self._leases.values()))
+
+    def new(self, kind: str, client: int, keys: list[bytes], now: float) -> Lease:
+        lease = Lease(self._next_id, kind, client, keys, now + self.timeout)
+        self._next_id += 1
+        self._leases[lease.id] = lease
+        return lease
+
+    def get(self, lease_id: int, client: int) -> Lease | None:
+        """The lease, if it exists and belongs to `client` (a client cannot end another's lease)."""
+        lease = self._leases.get(lease_id)
+        return lease if lease is not None and lease.client == client else None
+
+    def pop(self, lease_id: int) -> Lease:
+        return self._leases.pop(lease_id)
+
+    def expired(self, now: float) -> list[Lease]:
+        return [lease for lease in self._leases.values() if lease.deadline <= now]
+
+    def of_client(self, client: int) -> list[Lease]:
+        return [lease for lease in self._leases.values() if lease.client == client]
+
+    def count(self, kind: str) -> int:
+        return sum(1 for lease in self._leases.values() if lease.kind == kind)

@@ -1,0 +1,153 @@
+"""The control-plane wire format: typed msgspec messages in length-prefixed msgpack frames.
+
+A frame is a 4-byte little-endian body length followed by a msgpack body. Each request gets exactly one reply, in
+order, on the same connection. Requests and replies are tagged unions (the tag is the class name), so a frame can
+only decode into one of the types below; anything else is a "malformed" error reply, never a crash.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Union
+
+import msgspec
+
+from kvshare.pool.stats import PoolStats
+
+HEADER = struct.Struct("<I")
+
+
+class ErrorCode:
+    """The `code` of an Error reply. Clients branch on these, never on message text."""
+
+    MALFORMED = "malformed"  # the frame did not decode into a request
+    TOO_LARGE = "too_large"  # frame over the server's limit; the server closes that connection
+    AUTH = "auth"  # missing or wrong token over TCP; the server closes that connection
+    BAD_REQUEST = "bad_request"  # decoded, but the values make no sense (lengths differ, nbytes <= 0, ...)
+    UNKNOWN_NAMESPACE = "unknown_namespace"
+    UNKNOWN_LEASE = "unknown_lease"  # never existed, already ended, expired, or owned by another connection
+    NO_SPACE = "no_space"  # RESERVE could not find enough unleased pages, even after eviction
+    INTEGRITY = "integrity"  # debug check failed after a request: a server bug
+    INTERNAL = "internal"
+
+
+# ---- requests ------------------------------------------------------------------------------------------------
+
+
+class Request(msgspec.Struct, tag=True, frozen=True):
+    pass
+
+
+class Attach(Request):
+    """First message of a connection: returns where the arena is. Over TCP it must carry the shared token."""
+
+    token: str = ""
+    pid: int = 0
+
+
+class Hello(Request):
+    namespace: bytes
+    description: str = ""
+
+
+class NewChunk(msgspec.Struct, frozen=True, array_like=True):
+    key: bytes
+    parent: bytes  # the previous chunk's key, or the namespace key for the first chunk
+    tokens: bytes  # the chunk's token ids as little-endian uint32 (kvshare.keys.token_bytes)
+    nbytes: int
+
+
+class Lookup(Request):
+    namespace: bytes
+    keys: list[bytes]
+    tokens: list[bytes]  # one per key: the tokens the caller expects; a hit must match them exactly
+
+
+class Reserve(Request):
+    namespace: bytes
+    chunks: list[NewChunk]
+
+
+class Commit(Request):
+    lease: int
+    checksums: list[int]  # xxh3-64 of each reserved chunk's bytes, in order
+
+
+class Release(Request):
+    lease: int
+
+
+class Stats(Request):
+    pass
+
+
+class Clear(Request):
+    pass
+
+
+class Health(Request):
+    deep: bool = False  # also run check_integrity() on the server
+
+
+AnyRequest = Union[Attach, Hello, Lookup, Reserve, Commit, Release, Stats, Clear, Health]
+
+# ---- replies -------------------------------------------------------------------------------------------------
+
+
+class Reply(msgspec.Struct, tag=True, frozen=True):
+    pass
+
+
+class ChunkRef(msgspec.Struct, frozen=True, array_like=True):
+    key: bytes
+    pages: list[int]  # arena page indices, in the chunk's byte order (byte i lives in pages[i // page_size])
+    nbytes: int
+    checksum: int = 0  # 0 in a reservation (not written yet)
+
+
+class ArenaInfo(Reply):
+    path: str
+    page_size: int
+    num_pages: int
+    pages_prepared: int
+
+
+class Ok(Reply):
+    count: int = 0  # CLEAR: chunks removed
+
+
+class LookupReply(Reply):
+    lease: int  # 0 when nothing was found (no lease is held)
+    chunks: list[ChunkRef]
+
+
+class ReserveReply(Reply):
+    lease: int  # 0 when every chunk was skipped
+    chunks: list[Union[ChunkRef, None]]  # None: already committed or being written by someone: do not write it
+
+
+class StatsReply(Reply):
+    stats: PoolStats
+
+
+class HealthReply(Reply):
+    ok: bool
+    detail: str = ""
+
+
+class Error(Reply):
+    code: str
+    message: str
+
+
+AnyReply = Union[ArenaInfo, Ok, LookupReply, ReserveReply, StatsReply, HealthReply, Error]
+
+request_decoder = msgspec.msgpack.Decoder(AnyRequest)
+reply_decoder = msgspec.msgpack.Decoder(AnyReply)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def frame(message: msgspec.Struct) -> bytes:
+    """A message as one length-prefixed frame."""
+    body = _encoder.encode(message)
+    return HEADER.pack(len(body)) + body

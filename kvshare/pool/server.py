@@ -1,0 +1,216 @@
+"""The pool server: one asyncio loop that frames messages, dispatches them to PoolState and keeps connections apart.
+
+Handlers are short and synchronous: every policy lives in PoolState (state.py) and below. Because everything runs
+on the loop's one thread, PoolState needs no lock; the only other thread is arena preparation, which reports
+progress through loop.call_soon_threadsafe. A bad frame or request gets an Error reply and never stops the server;
+an oversized frame or a failed TCP authentication also closes that one connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import logging
+import os
+import signal
+import socket
+import time
+
+import msgspec
+
+from kvshare.pool import protocol as p
+from kvshare.pool.arena import Arena, prepare_rate
+from kvshare.pool.config import PoolConfig
+from kvshare.pool.state import IntegrityError, PoolState, RequestError
+from kvshare.pool.stats import LatencyRecorder
+from kvshare.units import format_size
+
+log = logging.getLogger(__name__)
+EXPIRY_PERIOD = 0.25  # seconds between lease-expiry sweeps (a lease may outlive its timeout by this much)
+MUTATING = (p.Hello, p.Lookup, p.Reserve, p.Commit, p.Release, p.Clear)
+
+
+class CloseConnection(Exception):
+    """Reply, then close this connection (oversized frame, failed authentication)."""
+
+
+class Connection:
+    def __init__(self, client_id: int, authenticated: bool) -> None:
+        self.id = client_id
+        self.authenticated = authenticated
+
+
+class PoolServer:
+    def __init__(self, config: PoolConfig, arena: Arena) -> None:
+        self.config = config
+        self.arena = arena
+        self.state = PoolState(
+            config.num_pages, config.page_size, prepared=0, lease_timeout=config.lease_timeout,
+            high_watermark=config.high_watermark, low_watermark=config.low_watermark,
+        )
+        self.latency = LatencyRecorder()
+        self.clients = 0
+        self.started = time.monotonic()
+        self._ids = itertools.count(1)
+        self._stop = asyncio.Event()
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        servers = [await asyncio.start_unix_server(lambda r, w: self._serve(r, w, True), path=self.config.socket)]
+        os.chmod(self.config.socket, 0o660)  # owner and group only
+        if self.config.tcp:
+            host, port = self.config.tcp.rsplit(":", 1)
+            servers.append(await asyncio.start_server(lambda r, w: self._serve(r, w, False), host, int(port)))
+        announce(f"serving on {self.config.socket}" + (f" and tcp {self.config.tcp}" if self.config.tcp else "")
+                 + f" (arena {self.arena.path}, {format_size(self.arena.size)}, {self.config.num_pages} pages of "
+                 f"{format_size(self.config.page_size)})")
+        started = time.monotonic()
+        self.arena.prepare(self.config.threads, lambda n: loop.call_soon_threadsafe(self._prepared, n, started))
+        expiry = asyncio.create_task(self._expire_leases())
+        await self._stop.wait()
+        expiry.cancel()
+        for server in servers:
+            server.close()
+        announce("shutting down")
+
+    def _prepared(self, nbytes: int, started: float) -> None:
+        self.state.allocator.add_prepared(nbytes // self.config.page_size)
+        if self.state.allocator.prepared == self.config.num_pages:
+            announce(f"ready: {prepare_rate(self.arena.size, time.monotonic() - started)} prepared")
+
+    async def _expire_leases(self) -> None:
+        while True:
+            await asyncio.sleep(min(EXPIRY_PERIOD, self.config.lease_timeout / 4))
+            if n := self.state.expire():
+                log.info("%d lease(s) expired after %g s", n, self.config.lease_timeout)
+
+    # ---- connections -------------------------------------------------------------------------------------------
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, is_unix: bool) -> None:
+        conn = Connection(next(self._ids), authenticated=is_unix or not self.config.token)
+        self.clients += 1
+        try:
+            while True:
+                try:
+                    (length,) = p.HEADER.unpack(await reader.readexactly(p.HEADER.size))
+                    if length > self.config.max_frame:
+                        raise CloseConnection(p.ErrorCode.TOO_LARGE, f"frame of {length} bytes exceeds the limit of "
+                                              f"{self.config.max_frame}: send smaller requests (split the key list)")
+                    reply = self._handle(conn, await reader.readexactly(length))
+                except CloseConnection as close:
+                    writer.write(p.frame(p.Error(*close.args)))
+                    await writer.drain()
+                    return
+                writer.write(p.frame(reply))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the client went away: its leases end below
+        finally:
+            self.clients -= 1
+            self.state.drop_client(conn.id)  # I8
+            writer.close()
+
+    def _handle(self, conn: Connection, body: bytes) -> p.Reply:
+        """One request -> one reply; every failure becomes an Error reply."""
+        started = time.perf_counter()
+        kind = "malformed"
+        try:
+            request = p.request_decoder.decode(body)
+            kind = type(request).__name__.lower()
+            reply = self._dispatch(conn, request)
+            if self.config.check_integrity and isinstance(request, MUTATING):
+                self.state.check_integrity()
+        except msgspec.DecodeError as error:
+            reply = p.Error(p.ErrorCode.MALFORMED, f"malformed request: {error}; use kvshare.pool.client")
+        except RequestError as error:
+            reply = p.Error(error.code, error.message)
+        except IntegrityError as error:
+            log.error("integrity check failed: %s", error)
+            reply = p.Error(p.ErrorCode.INTEGRITY, f"integrity check failed: {error} (a pool bug: report it)")
+        except CloseConnection:
+            raise
+        except Exception as error:  # a bug must not take down the server that every replica shares
+            log.exception("internal error handling %s", kind)
+            reply = p.Error(p.ErrorCode.INTERNAL, f"internal error: {error!r} (a pool bug: report it)")
+        self.latency.record(kind, time.perf_counter() - started, isinstance(reply, p.Error))
+        return reply
+
+    def _dispatch(self, conn: Connection, request: p.Request) -> p.Reply:
+        s = self.state
+        if not conn.authenticated:
+            if isinstance(request, p.Attach) and hmac.compare_digest(request.token.encode(), self.config.token.encode()):
+                conn.authenticated = True
+            else:
+                raise CloseConnection(p.ErrorCode.AUTH, "authentication failed: over TCP the first message must be "
+                                      "ATTACH with the pool's token (pass token= to PoolClient.connect)")
+        match request:
+            case p.Attach():
+                return p.ArenaInfo(self.arena.path, self.config.page_size, self.config.num_pages, s.allocator.prepared)
+            case p.Hello(namespace, description):
+                s.hello(namespace, description)
+                return p.Ok()
+            case p.Lookup(namespace, keys, tokens):
+                return s.lookup(conn.id, namespace, keys, tokens)
+            case p.Reserve(namespace, chunks):
+                return s.reserve(conn.id, namespace, chunks)
+            case p.Commit(lease, checksums):
+                s.commit(conn.id, lease, checksums)
+                return p.Ok()
+            case p.Release(lease):
+                s.release(conn.id, lease)
+                return p.Ok()
+            case p.Clear():
+                return p.Ok(s.clear())
+            case p.Stats():
+                return p.StatsReply(self._stats())
+            case p.Health(deep):
+                if deep:
+                    s.check_integrity()
+                return p.HealthReply(True, "integrity checked" if deep else "")
+        raise RequestError(p.ErrorCode.BAD_REQUEST, f"unexpected request {type(request).__name__}")
+
+    def _stats(self):
+        stats = self.state.stats()
+        stats.clients = self.clients
+        stats.uptime_s = time.monotonic() - self.started
+        stats.requests = self.latency.snapshot()
+        return stats
+
+
+def announce(message: str) -> None:
+    """A status line for people and scripts (start_pool waits on the socket, not on this)."""
+    print(f"kvshare pool: {message}", flush=True)
+    log.debug(message)
+
+
+def prepare_socket(path: str) -> None:
+    """Remove a stale socket file; refuse if a live pool answers on it."""
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # stale: its server is gone
+        return
+    finally:
+        probe.close()
+    raise RuntimeError(f"a pool is already serving on {path}: stop it or pass another --socket")
+
+
+def serve(config: PoolConfig) -> int:
+    """Create the arena, serve until SIGTERM/SIGINT, then remove socket and arena (unless config.keep)."""
+    prepare_socket(config.socket)
+    arena = Arena.create(config.arena_path, config.num_pages * config.page_size)
+    try:
+        asyncio.run(PoolServer(config, arena).run())
+    finally:
+        arena.close(remove=not config.keep)
+        if not config.keep and os.path.exists(config.socket):
+            os.unlink(config.socket)
+    return 0

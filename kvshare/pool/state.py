@@ -1,0 +1,260 @@
+"""The pool's request semantics without any I/O: HELLO, LOOKUP, RESERVE, COMMIT, RELEASE, CLEAR, lease expiry.
+
+The server calls these from its single event-loop thread, so no method needs a lock; each either completes or
+raises RequestError having changed nothing. Unit tests drive this class directly, without sockets.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+
+from kvshare.pool import eviction
+from kvshare.pool.allocator import PageAllocator
+from kvshare.pool.index import ChunkIndex, Entry
+from kvshare.pool.leases import READ, WRITE, Lease, LeaseTable
+from kvshare.pool.protocol import ChunkRef, ErrorCode, LookupReply, NewChunk, ReserveReply
+from kvshare.pool.stats import PoolStats
+
+KEY_BYTES = 16
+
+
+class RequestError(Exception):
+    """A request the pool refuses; becomes an Error reply with this code and message."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class IntegrityError(AssertionError):
+    """check_integrity() found the pool's bookkeeping inconsistent: a bug in the pool."""
+
+
+class PoolState:
+    def __init__(
+        self, num_pages: int, page_size: int, *, prepared: int | None = None, lease_timeout: float = 30.0,
+        high_watermark: float = 0.95, low_watermark: float = 0.90, clock=time.monotonic,
+    ) -> None:
+        self.page_size = page_size
+        self.allocator = PageAllocator(num_pages, num_pages if prepared is None else prepared)
+        self.index = ChunkIndex()
+        self.leases = LeaseTable(lease_timeout)
+        self.namespaces: dict[bytes, str] = {}
+        self.high, self.low = high_watermark, low_watermark
+        self.clock = clock
+        self.counters = Counter()  # hit_chunks, miss_tokens, evictions, ... (names as in PoolStats)
+
+    # ---- requests ----------------------------------------------------------------------------------------------
+
+    def hello(self, namespace: bytes, description: str) -> None:
+        _check_key(namespace, "namespace key")
+        self.namespaces.setdefault(namespace, description)
+
+    def lookup(self, client: int, namespace: bytes, keys: list[bytes], tokens: list[bytes]) -> LookupReply:
+        """The longest prefix of `keys` whose committed chunks match namespace, parent and tokens, read-leased."""
+        self._check_namespace(namespace)
+        if len(keys) != len(tokens):
+            raise RequestError(ErrorCode.BAD_REQUEST, f"LOOKUP has {len(keys)} keys but {len(tokens)} token lists")
+        hits: list[Entry] = []
+        parent = namespace
+        for key, expected in zip(keys, tokens):
+            entry = self.index.get(key)
+            if entry is None:
+                break
+            if entry.namespace != namespace or entry.parent != parent or entry.tokens != expected:
+                self.counters["verify_failures"] += 1  # a hash collision or a caller bug: a miss, never wrong KV
+                break
+            hits.append(entry)
+            parent = key
+        self._count_lookup(hits, tokens)
+        if not hits:
+            return LookupReply(0, [])
+        for entry in reversed(hits):  # last chunk first: parents stay more recent than children (see eviction.py)
+            entry.readers += 1
+            self.index.touch(entry)
+        lease = self.leases.new(READ, client, [e.key for e in hits], self.clock())
+        return LookupReply(lease.id, [ChunkRef(e.key, e.pages, e.nbytes, e.checksum) for e in hits])
+
+    def reserve(self, client: int, namespace: bytes, chunks: list[NewChunk]) -> ReserveReply:
+        """Pages for every chunk not already committed or reserved, under one write lease; all or nothing."""
+        self._check_namespace(namespace)
+        wanted = self._new_chunks(chunks)
+        needed = sum(self._pages_for(c.nbytes) for c in wanted)
+        self._make_room(needed)
+        if needed > self.allocator.free_count:
+            self.counters["no_space"] += 1
+            raise RequestError(
+                ErrorCode.NO_SPACE,
+                f"no space: {needed} pages needed, {self.allocator.free_count} free, the rest leased or not yet "
+                f"prepared ({self.allocator.num_pages} pages of {self.page_size} bytes); store less or retry later",
+            )
+        if not wanted:
+            return ReserveReply(0, [None] * len(chunks))
+        lease = self.leases.new(WRITE, client, [c.key for c in wanted], self.clock())
+        refs: dict[bytes, ChunkRef] = {}
+        for c in wanted:
+            pages = self.allocator.allocate(self._pages_for(c.nbytes))
+            self.index.add_reserved(Entry(c.key, namespace, c.parent, c.tokens, c.nbytes, pages, lease=lease.id))
+            refs[c.key] = ChunkRef(c.key, pages, c.nbytes, 0)
+        return ReserveReply(lease.id, [refs.pop(c.key, None) for c in chunks])
+
+    def commit(self, client: int, lease_id: int, checksums: list[int]) -> None:
+        lease = self._lease(client, lease_id, "COMMIT")
+        if lease.kind != WRITE:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"lease {lease_id} is a read lease: COMMIT needs a RESERVE lease")
+        if len(checksums) != len(lease.keys):
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"COMMIT of lease {lease_id} has {len(checksums)} checksums for {len(lease.keys)} reserved chunks",
+            )
+        self.leases.pop(lease_id)
+        for key, checksum in zip(lease.keys, checksums):
+            entry = self.index.commit(key, checksum)
+            self.counters["bytes_committed_total"] += entry.nbytes
+
+    def release(self, client: int, lease_id: int) -> None:
+        self._end(self._lease(client, lease_id, "RELEASE"))
+
+    def clear(self) -> int:
+        """Drop every committed chunk not under a read lease; returns how many."""
+        return len(eviction.evict(self.index, self.allocator, self.allocator.num_pages + 1))
+
+    def expire(self) -> int:
+        """End every lease past its deadline (I8); returns how many."""
+        expired = self.leases.expired(self.clock())
+        for lease in expired:
+            self._end(lease)
+        self.counters["expired_leases"] += len(expired)
+        return len(expired)
+
+    def drop_client(self, client: int) -> None:
+        """The client's connection closed: end its leases (I8)."""
+        for lease in self.leases.of_client(client):
+            self._end(lease)
+
+    # ---- internals -------------------------------------------------------------------------------------------
+
+    def _end(self, lease: Lease) -> None:
+        """Read lease: unpin its chunks. Write lease: abort, freeing the reserved pages (nothing was published)."""
+        self.leases.pop(lease.id)
+        for key in lease.keys:
+            if lease.kind == READ:
+                self.index.committed[key].readers -= 1
+            else:
+                self.allocator.free(self.index.drop_reserved(key).pages)
+
+    def _lease(self, client: int, lease_id: int, verb: str) -> Lease:
+        lease = self.leases.get(lease_id, client)
+        if lease is None:
+            raise RequestError(
+                ErrorCode.UNKNOWN_LEASE,
+                f"{verb}: unknown lease {lease_id}: it was never granted to this connection, already ended "
+                f"(committed or released), or expired after {self.leases.timeout:g} s",
+            )
+        return lease
+
+    def _check_namespace(self, namespace: bytes) -> None:
+        if namespace not in self.namespaces:
+            raise RequestError(
+                ErrorCode.UNKNOWN_NAMESPACE, f"unknown namespace {namespace.hex()}: send HELLO with it first"
+            )
+
+    def _new_chunks(self, chunks: list[NewChunk]) -> list[NewChunk]:
+        """The chunks to write: valid, not in the index, first occurrence only."""
+        seen: set[bytes] = set()
+        wanted = []
+        for c in chunks:
+            _check_key(c.key, "chunk key")
+            _check_key(c.parent, "parent key")
+            if not 0 < c.nbytes <= self.allocator.num_pages * self.page_size:
+                raise RequestError(ErrorCode.BAD_REQUEST, f"chunk nbytes must be in [1, pool capacity], got {c.nbytes}")
+            if len(c.tokens) % 4:
+                raise RequestError(ErrorCode.BAD_REQUEST, "chunk tokens must be little-endian uint32 (4 bytes each)")
+            if c.key not in self.index and c.key not in seen:
+                seen.add(c.key)
+                wanted.append(c)
+        return wanted
+
+    def _make_room(self, needed: int) -> None:
+        goal = eviction.pages_to_free(self.allocator, needed, self.high, self.low)
+        if goal:
+            evicted = eviction.evict(self.index, self.allocator, goal)
+            self.counters["evictions"] += len(evicted)
+            self.counters["evicted_bytes"] += sum(e.nbytes for e in evicted)
+
+    def _pages_for(self, nbytes: int) -> int:
+        return math.ceil(nbytes / self.page_size)
+
+    def _count_lookup(self, hits: list[Entry], tokens: list[bytes]) -> None:
+        hit_tokens = sum(e.num_tokens for e in hits)
+        self.counters["hit_chunks"] += len(hits)
+        self.counters["miss_chunks"] += len(tokens) - len(hits)
+        self.counters["hit_tokens"] += hit_tokens
+        self.counters["miss_tokens"] += sum(len(t) // 4 for t in tokens) - hit_tokens
+
+    # ---- observation -----------------------------------------------------------------------------------------
+
+    def stats(self) -> PoolStats:
+        a, i = self.allocator, self.index
+        c = self.counters
+        return PoolStats(
+            capacity_bytes=a.num_pages * self.page_size, page_size=self.page_size, num_pages=a.num_pages,
+            pages_free=a.free_count, pages_used=i.pages_reserved + i.pages_committed,
+            pages_reserved=i.pages_reserved, pages_committed=i.pages_committed, pages_prepared=a.prepared,
+            ready=a.prepared == a.num_pages, chunks=len(i.committed), namespaces=len(self.namespaces),
+            bytes_stored=i.bytes_stored, bytes_committed_total=c["bytes_committed_total"],
+            hit_chunks=c["hit_chunks"], miss_chunks=c["miss_chunks"], hit_tokens=c["hit_tokens"],
+            miss_tokens=c["miss_tokens"], verify_failures=c["verify_failures"], evictions=c["evictions"],
+            evicted_bytes=c["evicted_bytes"], read_leases=self.leases.count(READ),
+            write_leases=self.leases.count(WRITE), expired_leases=c["expired_leases"], no_space=c["no_space"],
+        )
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError unless: every page is exactly one of unprepared/free/reserved/committed, no page is
+        in two chunks, page counters match, every reserved chunk belongs to a live write lease, and every chunk's
+        reader count equals the read leases that hold it."""
+        a, i = self.allocator, self.index
+        owner: dict[int, str] = {}
+
+        def claim(page: int, what: str) -> None:
+            _require(0 <= page < a.prepared, f"{what} holds page {page} outside the prepared range [0, {a.prepared})")
+            _require(page not in owner, f"page {page} is both {owner.get(page)} and {what}")
+            owner[page] = what
+
+        for page in a.free_pages():
+            claim(page, "free")
+        for entry in list(i.reserved.values()) + list(i.committed.values()):
+            for page in entry.pages:
+                claim(page, f"chunk {entry.key.hex()[:8]}")
+        _require(len(owner) == a.prepared, f"{a.prepared - len(owner)} prepared pages are neither free nor in a chunk")
+        _require(i.pages_reserved == sum(len(e.pages) for e in i.reserved.values()), "pages_reserved counter is off")
+        _require(i.pages_committed == sum(len(e.pages) for e in i.committed.values()), "pages_committed is off")
+        _require(a.free_count + i.pages_reserved + i.pages_committed + a.unprepared == a.num_pages, "page sum is off")
+        _require(not set(i.reserved) & set(i.committed), "a key is both reserved and committed")
+        readers = Counter()
+        writers: dict[bytes, int] = {}
+        for lease in self.leases:
+            for key in lease.keys:
+                if lease.kind == READ:
+                    _require(key in i.committed, f"read lease {lease.id} holds a chunk that is not committed")
+                    readers[key] += 1
+                else:
+                    writers[key] = lease.id
+        for key, entry in i.committed.items():
+            _require(entry.readers == readers[key], f"chunk {key.hex()[:8]} readers {entry.readers} != {readers[key]}")
+        for key, entry in i.reserved.items():
+            _require(writers.get(key) == entry.lease, f"reserved chunk {key.hex()[:8]} has no live write lease")
+        _require(len(writers) == len(i.reserved), "a write lease holds a chunk that is not reserved")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise IntegrityError(message)
+
+
+def _check_key(key: bytes, what: str) -> None:
+    if len(key) != KEY_BYTES:
+        raise RequestError(ErrorCode.BAD_REQUEST, f"{what} must be {KEY_BYTES} bytes, got {len(key)}")

@@ -1,0 +1,70 @@
+"""The pool's STATS: the typed counters the server keeps and a bounded latency recorder per message type."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import msgspec
+import numpy as np
+
+LATENCY_WINDOW = 10_000  # most recent requests per type that p50/p99 are computed over
+
+
+class RequestStats(msgspec.Struct):
+    count: int = 0
+    errors: int = 0
+    p50_ms: float = 0.0
+    p99_ms: float = 0.0
+
+
+class PoolStats(msgspec.Struct):
+    """A snapshot of the pool. Pages: free + reserved + committed + unprepared == num_pages."""
+
+    capacity_bytes: int = 0
+    page_size: int = 0
+    num_pages: int = 0
+    pages_free: int = 0  # prepared and unused
+    pages_used: int = 0  # reserved + committed
+    pages_reserved: int = 0
+    pages_committed: int = 0
+    pages_prepared: int = 0
+    ready: bool = False  # every page prepared
+    chunks: int = 0  # committed chunks
+    namespaces: int = 0
+    bytes_stored: int = 0  # sum of committed chunks' nbytes now
+    bytes_committed_total: int = 0  # since start
+    hit_chunks: int = 0
+    miss_chunks: int = 0
+    hit_tokens: int = 0
+    miss_tokens: int = 0
+    verify_failures: int = 0  # a key was found but its stored tokens or parent differed (counted as a miss)
+    evictions: int = 0
+    evicted_bytes: int = 0
+    read_leases: int = 0
+    write_leases: int = 0
+    expired_leases: int = 0
+    no_space: int = 0  # RESERVE answers "no space"
+    clients: int = 0
+    uptime_s: float = 0.0
+    requests: dict[str, RequestStats] = {}
+
+
+class LatencyRecorder:
+    """Per message type: count, errors and the last LATENCY_WINDOW latencies (bounded memory)."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, list[int]] = {}
+        self._samples: dict[str, deque] = {}
+
+    def record(self, kind: str, seconds: float, error: bool) -> None:
+        counts = self._counts.setdefault(kind, [0, 0])
+        counts[0] += 1
+        counts[1] += int(error)
+        self._samples.setdefault(kind, deque(maxlen=LATENCY_WINDOW)).append(seconds)
+
+    def snapshot(self) -> dict[str, RequestStats]:
+        out = {}
+        for kind, (count, errors) in sorted(self._counts.items()):
+            ms = np.asarray(self._samples[kind]) * 1e3
+            out[kind] = RequestStats(count, errors, float(np.percentile(ms, 50)), float(np.percentile(ms, 99)))
+        return out

@@ -1,0 +1,83 @@
+"""start_pool(): run a real `kvshare pool serve` process for tests and benchmarks, and always clean it up."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Iterator
+
+from kvshare.pool.client import PoolClient, PoolUnavailable
+
+_FLAGS = {  # start_pool keyword -> serve flag
+    "page_size": "--page-size", "lease_timeout": "--lease-timeout", "high_watermark": "--high-watermark",
+    "low_watermark": "--low-watermark", "tcp": "--tcp", "token_file": "--token-file", "arena": "--arena",
+}
+
+
+@contextlib.contextmanager
+def start_pool(
+    size: int | str = "64MiB", *, wait_ready: bool = True, timeout: float = 60.0, check_integrity: bool = True,
+    env: dict[str, str] | None = None, **opts,
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Start `python -m kvshare.cli pool serve` on a fresh socket in a temp dir; yield (socket address, process).
+
+    Waits until the pool answers (and, with wait_ready, until every page is prepared). On exit: SIGTERM, wait,
+    SIGKILL if needed, and remove the arena file even if the server was killed. `opts` are serve flags by name
+    (page_size=, lease_timeout=, high_watermark=, low_watermark=, tcp=, token_file=, arena=).
+    `check_integrity` makes the server verify its bookkeeping after every request (tests want that).
+    """
+    with tempfile.TemporaryDirectory(prefix="kvshare-pool-") as tmp:
+        address = os.path.join(tmp, "pool.sock")
+        arena = opts.pop("arena", None) or f"/dev/shm/kvshare-test-{os.getpid()}-{os.path.basename(tmp)}.arena"
+        command = [sys.executable, "-m", "kvshare.cli", "pool", "serve", "--size", str(size), "--socket", address,
+                   "--arena", arena]
+        for name, value in opts.items():
+            command += [_FLAGS[name], str(value)]
+        if check_integrity:
+            command.append("--check-integrity")
+        log_path = os.path.join(tmp, "serve.log")
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        try:
+            _wait_serving(address, process, log_path, timeout, wait_ready)
+            yield address, process
+        finally:
+            _stop(process)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(arena)
+
+
+def _wait_serving(address: str, process: subprocess.Popen, log_path: str, timeout: float, wait_ready: bool) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"pool exited with {process.returncode} before serving:\n{_tail(log_path)}")
+        try:
+            with PoolClient.connect(address, timeout=2.0, map_arena=False) as client:
+                if not wait_ready or client.stats().ready:
+                    return
+        except PoolUnavailable:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"pool did not become {'ready' if wait_ready else 'reachable'} in {timeout} s:\n"
+                       f"{_tail(log_path)}")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _tail(path: str, lines: int = 30) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
