@@ -1,0 +1,53 @@
+"""The CPU path: gathers and scatters straight between the KV tensors and arena page views, with no staging copy.
+
+Everything runs synchronously on the calling thread, so a returned Handle is already done and stream races do
+not apply (torch CPU ops complete before they return).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvshare.transfer.jobs import DONE, ChunkPlan, Handle
+from kvshare.transfer.transfer import Transfer
+
+
+class CpuTransfer(Transfer):
+    def _store(self, plans: list[ChunkPlan]) -> Handle:
+        for chunk in plans:
+            rows = torch.from_numpy(chunk.rows)
+            for j, page in enumerate(chunk.pages.tolist()):
+                u0, u1 = chunk.page_units(j)
+                units = self._page_units(page)  # [upp, block_bytes] view of the arena
+                for group, a, b in self.space.group_spans(chunk.blocks_per_chunk, u0, u1):
+                    for view, offset in zip(group.views, self.space.run_offsets):
+                        out = units[a - u0 : b - u0, offset : offset + self.space.run_bytes]
+                        torch.index_select(view, 0, rows[a:b], out=out)  # writes the page in place
+        return DONE
+
+    def _load(self, plans: list[ChunkPlan]) -> Handle:
+        for chunk in plans:
+            rows = torch.from_numpy(chunk.rows)
+            for j, page in enumerate(chunk.pages.tolist()):
+                u0, u1 = chunk.page_units(j)
+                units = self._page_units(page)
+                for group, a, b in self.space.group_spans(chunk.blocks_per_chunk, u0, u1):
+                    for s, e in kept_segments(chunk.rows, a, b):
+                        for view, offset in zip(group.views, self.space.run_offsets):
+                            source = units[s - u0 : e - u0, offset : offset + self.space.run_bytes]
+                            view.index_copy_(0, rows[s:e], source)
+        return DONE
+
+    def _page_units(self, page: int) -> torch.Tensor:
+        used = self.units_per_page * self.layout.block_bytes
+        return self.pages[page, :used].view(self.units_per_page, self.layout.block_bytes)
+
+
+def kept_segments(rows: np.ndarray, a: int, b: int) -> list[tuple[int, int]]:
+    """Maximal runs [s, e) within [a, b) whose rows are not skip markers (< 0)."""
+    keep = rows[a:b] >= 0
+    if keep.all():
+        return [(a, b)]
+    edges = np.flatnonzero(np.diff(np.concatenate(([False], keep, [False])).astype(np.int8)))
+    return [(a + int(s), a + int(e)) for s, e in zip(edges[::2], edges[1::2])]

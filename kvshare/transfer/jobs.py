@@ -1,0 +1,101 @@
+"""Transfer requests (StoreJob, LoadJob), their checked plans, and the completion Handle.
+
+Every job is checked whole before anything is copied: block ids in range, the right number of pages for the
+chunk, pages in range, no page written twice and no block loaded twice in one batch. A bad batch raises
+ValueError naming the job and what to fix, and copies nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvshare.transfer.blocks import BlockSpace
+
+SKIP = -1  # a LoadJob block id meaning "already present in the engine: do not write this block"
+
+
+@dataclass(frozen=True)
+class StoreJob:
+    """Pack the blocks `block_ids` (one chunk, in token order, for every layer) into `pages` of the arena."""
+
+    block_ids: Sequence[int]
+    pages: Sequence[int]
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """Unpack a chunk from `pages` into `block_ids`; a block id of SKIP (-1) leaves that block untouched."""
+
+    pages: Sequence[int]
+    block_ids: Sequence[int]
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """One checked job: the row of every unit (layer-major; -1 = skip) and the chunk's pages."""
+
+    rows: np.ndarray  # int64 [num_layers * blocks_per_chunk]
+    pages: np.ndarray  # int64 [pages_needed]
+    blocks_per_chunk: int
+    units_per_page: int
+
+    def page_units(self, j: int) -> tuple[int, int]:
+        """Units [u0, u1) held by the chunk's page j."""
+        u0 = j * self.units_per_page
+        return u0, min(u0 + self.units_per_page, len(self.rows))
+
+
+class Handle:
+    """Completion of a batch of transfers. For a store, the source blocks must stay untouched until done() (I4)."""
+
+    def __init__(self, is_done: Callable[[], bool] = lambda: True, wait: Callable[[], None] = lambda: None):
+        self._is_done, self._wait = is_done, wait
+
+    def done(self) -> bool:
+        return self._is_done()
+
+    def wait(self) -> None:
+        self._wait()
+
+
+DONE = Handle()
+
+
+def plan(
+    space: BlockSpace, jobs: Sequence[StoreJob | LoadJob], page_size: int, num_pages: int, *, loading: bool
+) -> list[ChunkPlan]:
+    """Check every job of a batch against the layout and the arena; return their plans or raise ValueError."""
+    layout = space.layout
+    upp = layout.units_per_page(page_size)
+    plans, pages_seen, blocks_seen = [], set(), set()
+    for index, job in enumerate(jobs):
+        what = f"{'load' if loading else 'store'} job {index}"
+        ids = np.asarray(list(job.block_ids), dtype=np.int64).reshape(-1)
+        pages = np.asarray(list(job.pages), dtype=np.int64).reshape(-1)
+        _check_blocks(ids, layout.num_blocks, loading, what)
+        need = layout.pages_needed(len(ids) * layout.block_size, page_size)
+        if len(pages) != need:
+            raise ValueError(f"{what}: {len(ids)} blocks need {need} pages of {page_size} bytes, got {len(pages)}")
+        if len(pages) and (pages.min() < 0 or pages.max() >= num_pages):
+            raise ValueError(f"{what}: page ids must be in [0, {num_pages}), got {pages.tolist()}")
+        # Two chunks of one batch writing one page (store) or one block (load) would race on the side stream.
+        written = pages.tolist() if not loading else ids[ids >= 0].tolist()
+        seen = blocks_seen if loading else pages_seen
+        if len(set(written)) != len(written) or seen.intersection(written):
+            raise ValueError(f"{what}: a {'block' if loading else 'page'} is written twice in this batch: {written}")
+        seen.update(written)
+        plans.append(ChunkPlan(space.rows(ids), pages, len(ids), upp))
+    return plans
+
+
+def _check_blocks(ids: np.ndarray, num_blocks: int, loading: bool, what: str) -> None:
+    if len(ids) == 0:
+        raise ValueError(f"{what}: no block ids")
+    low = SKIP if loading else 0
+    bad = ids[(ids < low) | (ids >= num_blocks)]
+    if len(bad):
+        allowed = f"[0, {num_blocks})" + (" or -1 (skip)" if loading else "")
+        raise ValueError(f"{what}: block ids {bad[:8].tolist()} out of range; ids must be in {allowed}")

@@ -1,0 +1,94 @@
+"""`Transfer`, the interface every path implements, and `make_transfer`, which picks the CPU or CUDA path."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+
+from kvshare.transfer.blocks import BlockSpace, build_block_space
+from kvshare.transfer.checksum import packed_checksum
+from kvshare.transfer.jobs import ChunkPlan, Handle, LoadJob, StoreJob, plan
+from kvshare.transfer.layout import KVLayout
+
+Ordering = Literal["stream", "none"]
+
+
+@dataclass(frozen=True)
+class TransferOptions:
+    """Tuning and test knobs. Defaults are what production uses.
+
+    ordering: "stream" orders every copy after the work it depends on (I4, I5). "none" drops those waits: an
+      UNSAFE mode that exists only so `kvshare validate transfer` can show its race test detects the bug.
+    staging_bytes / staging_slots: CUDA staging ring, rounded to whole pages (at least one page a slot).
+    side_delay_cycles: validation only: `torch.cuda._sleep` this long on the side streams before each batch, so a
+      consumer that does not wait for a load is caught reading poison.
+    """
+
+    ordering: Ordering = "stream"
+    staging_bytes: int = 64 << 20
+    staging_slots: int = 4
+    side_delay_cycles: int = 0
+
+    def __post_init__(self):
+        if self.ordering not in ("stream", "none"):
+            raise ValueError(f"ordering must be 'stream' or 'none' (unsafe, validation only), got {self.ordering!r}")
+        if self.staging_slots < 2:
+            raise ValueError("staging_slots must be >= 2 so that gathers overlap copies")
+
+
+class Transfer:
+    """Moves chunks between one engine's KV tensors and one arena's pages. Not thread-safe: one caller thread."""
+
+    def __init__(self, space: BlockSpace, pages: torch.Tensor, options: TransferOptions):
+        if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.device.type != "cpu":
+            raise ValueError(f"pages must be a host uint8 [num_pages, page_size] tensor, got {pages.dtype} "
+                             f"{tuple(pages.shape)} on {pages.device}")
+        if pages.stride() != (pages.shape[1], 1):
+            raise ValueError("pages must be row-contiguous (a view of the arena, e.g. PoolClient.torch_pages())")
+        self.space, self.layout, self.pages, self.options = space, space.layout, pages, options
+        self.page_size, self.num_pages = pages.shape[1], pages.shape[0]
+        self.units_per_page = self.layout.units_per_page(self.page_size)  # refuses a page smaller than a block
+
+    def store(self, jobs: Sequence[StoreJob]) -> Handle:
+        """Pack each job's blocks into its pages. Ordered after all work already queued on the current stream."""
+        return self._store(plan(self.space, jobs, self.page_size, self.num_pages, loading=False))
+
+    def load(self, jobs: Sequence[LoadJob]) -> Handle:
+        """Unpack each job's pages into its blocks; every later kernel on the current stream sees the result."""
+        return self._load(plan(self.space, jobs, self.page_size, self.num_pages, loading=True))
+
+    def checksum(self, pages: Sequence[int], nbytes: int) -> int:
+        """xxh3-64 of a stored chunk (see checksum.packed_checksum); only after its store is done."""
+        return packed_checksum(self.pages, pages, nbytes, self.units_per_page * self.layout.block_bytes)
+
+    def _store(self, plans: list[ChunkPlan]) -> Handle:
+        raise NotImplementedError
+
+    def _load(self, plans: list[ChunkPlan]) -> Handle:
+        raise NotImplementedError
+
+
+def make_transfer(
+    layout: KVLayout,
+    kv_caches: Sequence[torch.Tensor],
+    pages: torch.Tensor,
+    *,
+    ordering: Ordering = "stream",
+    options: TransferOptions | None = None,
+) -> Transfer:
+    """The transfer path for the device the KV tensors live on. Raises LayoutMismatch/ValueError on bad input."""
+    options = options or TransferOptions(ordering=ordering)
+    if options.ordering != ordering and ordering != "stream":
+        raise ValueError("give the ordering either as ordering= or inside options=, not both")
+    space = build_block_space(layout, kv_caches)
+    if space.device.type == "cpu":
+        from kvshare.transfer.cpu import CpuTransfer
+
+        return CpuTransfer(space, pages, options)
+    if space.device.type == "cuda":
+        from kvshare.transfer.cuda import CudaTransfer
+
+        return CudaTransfer(space, pages, options)
+    raise ValueError(f"KV tensors on {space.device}: only cpu and cuda are supported")
