@@ -1,0 +1,92 @@
+"""The replica server's Prometheus metrics: one registry per app, request/TTFT/token counters and the pool's stats.
+
+Each `ServerMetrics` owns its own `CollectorRegistry` (never prometheus-client's global one), so several servers in
+one process — as in tests — never clash over metric names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvshare.engine.api import ConnectorStats, Usage
+
+# Cross-replica misses on a 32B model at 256k tokens take ~90 s to prefill; hits take well under a second.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0,
+                240.0, 300.0)
+
+# One Prometheus counter per ConnectorStats field, exported as kvshare_pool_<field>_total.
+CONNECTOR_STAT_HELP = {
+    "lookups": "LOOKUPs the connector sent to the pool",
+    "lookup_hit_tokens": "prompt tokens the pool reported as cached",
+    "loads": "chunk loads from the pool",
+    "load_bytes": "KV bytes loaded from the pool",
+    "load_seconds": "seconds spent loading KV from the pool",
+    "load_failures": "loads that failed and were recomputed",
+    "stores": "chunk stores into the pool",
+    "store_bytes": "KV bytes stored into the pool",
+    "store_seconds": "seconds spent storing KV into the pool",
+    "store_skipped_chunks": "chunks not stored because the pool already held them",
+    "errors": "pool errors of any kind, each turned into a cache miss",
+}
+
+
+class ConnectorStatsCollector(Collector):
+    """Reads the attached connector's `ConnectorStats` at scrape time; yields nothing while no connector is attached.
+
+    The engine thread mutates the dataclass without a lock while a scrape reads it: each field is a single int/float
+    read (atomic under the GIL) and only grows, so a scrape may see one counter a step ahead of another, never a
+    torn or decreasing value — acceptable for monitoring, and it keeps the engine's hot path lock-free.
+    """
+
+    def __init__(self, source: Callable[[], ConnectorStats | None]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._source()
+        if stats is None:
+            return
+        for field in dataclasses.fields(ConnectorStats):
+            help_text = CONNECTOR_STAT_HELP.get(field.name, field.name.replace("_", " "))
+            yield CounterMetricFamily(f"kvshare_pool_{field.name}", help_text, value=getattr(stats, field.name))
+
+
+class ServerMetrics:
+    """All metrics of one server app. Endpoint labels are route paths (a fixed set), never raw request paths."""
+
+    def __init__(self, connector_stats: Callable[[], ConnectorStats | None] = lambda: None) -> None:
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.requests = Counter("kvshare_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+                                registry=reg)
+        self.running = Gauge("kvshare_requests_running", "generation requests in flight", registry=reg)
+        self.ttft = Histogram("kvshare_time_to_first_token_seconds",
+                              "seconds from request arrival to the first generated token", ["endpoint"],
+                              buckets=TTFT_BUCKETS, registry=reg)
+        self.prompt_tokens = Counter("kvshare_prompt_tokens", "prompt tokens of finished requests", registry=reg)
+        self.generation_tokens = Counter("kvshare_generation_tokens", "tokens generated", registry=reg)
+        self.local_hit_tokens = Counter("kvshare_local_hit_tokens",
+                                        "prompt tokens served from this replica's own prefix cache", registry=reg)
+        self.pool_hit_tokens = Counter("kvshare_pool_hit_tokens", "prompt tokens loaded from the shared pool",
+                                       registry=reg)
+        reg.register(ConnectorStatsCollector(connector_stats))
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def observe_ttft(self, endpoint: str, seconds: float) -> None:
+        self.ttft.labels(endpoint=endpoint).observe(seconds)
+
+    def observe_usage(self, usage: Usage) -> None:
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        self.generation_tokens.inc(usage.completion_tokens)
+        self.local_hit_tokens.inc(usage.local_hit_tokens)
+        self.pool_hit_tokens.inc(usage.pool_hit_tokens)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,640 @@
+"""The replica's OpenAI-compatible HTTP server: /v1/completions and /v1/chat/completions (SSE or whole), /v1/models,
+/health and /metrics, over any engine that implements `EngineProtocol`.
+
+Request flow: parse + validate (pydantic, OpenAI-style errors) -> `Prepared` (prompt ids + sampling) ->
+`_EventStream` (engine-thread callbacks bridged into asyncio) -> `_pieces` (token ids -> text deltas, stop strings,
+metrics) -> a `_Format` (completion or chat) writes SSE chunks or one JSON body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable, Protocol, Sequence
+
+import msgspec
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from kvshare.engine.api import EngineProtocol, GenerationRequest, SamplingParams, TokenEvent, Usage
+from kvshare.engine.detokenize import IncrementalText
+from kvshare.engine.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+ENDPOINTS = (COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics")
+
+
+class TokenizerProtocol(Protocol):
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict]) -> str: ...
+
+
+# ---------------------------------------------------------------- requests (OpenAI's schema, the fields we serve)
+
+
+class _Strict(BaseModel):
+    # strict: "5" is not an int and 1 is not a bool (wrong types are errors, not guesses); unknown fields that
+    # OpenAI clients send (presence_penalty, logprobs=null, ...) are ignored.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+
+
+class _SamplingFields(_Strict):
+    model: StrictStr | None = None  # optional: a single-model server serves its model
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat = 0.0  # greedy unless asked (OpenAI's default is 1; benchmarks always set it)
+    top_p: StrictFloat = 1.0
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool = False
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None  # accepted for session routing upstream; no effect here
+    cache_salt: StrictStr | None = None  # vLLM's field: requests with different salts never share pool chunks
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: StrictStr | list[StrictInt]
+
+
+class TextPart(_Strict):
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class ChatMessage(_Strict):
+    role: StrictStr
+    content: StrictStr | list[TextPart] | None = None
+
+
+class ChatRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: StrictInt | None = None  # the newer OpenAI name for max_tokens
+
+
+class ApiError(Exception):
+    """An OpenAI-style error: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = "invalid_request_error" if status < 500 else "server_error"
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+def parse_body(model: type[_Strict], body: bytes) -> _Strict:
+    """Validates the raw body; malformed JSON -> 400, wrong or missing fields -> 422, both in OpenAI's shape."""
+    try:
+        return model.model_validate_json(body)
+    except pydantic.ValidationError as error:
+        first = error.errors()[0]
+        if first["type"] == "json_invalid":
+            raise ApiError(400, f"request body is not valid JSON ({first['msg']}); send a JSON object") from None
+        if not first["loc"]:
+            raise ApiError(400, f"request body must be a JSON object, got: {first['msg']}") from None
+        raise ApiError(422, _describe(error), param=str(first["loc"][0])) from None
+
+
+def _describe(error: pydantic.ValidationError) -> str:
+    """One readable line per wrong field (a union field's several complaints are joined)."""
+    by_field: dict[str, list[str]] = {}
+    for item in error.errors():
+        # loc like ("prompt", "list[int]", 3): the field, then union members / indexes inside it
+        path = ".".join(str(p) for p in item["loc"] if not (isinstance(p, str) and "[" in p) and p not in ("str",))
+        by_field.setdefault(path or str(item["loc"][0]), []).append(item["msg"])
+    return "; ".join(f"invalid '{field}': " + " or ".join(dict.fromkeys(msgs)) for field, msgs in by_field.items())
+
+
+# ---------------------------------------------------------------- validated request -> engine request
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request that passed every check: what the engine gets and what the response needs."""
+
+    request: GenerationRequest
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    arrived: float  # perf_counter() at arrival, for TTFT
+
+
+class _Validator:
+    """Semantic checks that need the model: limits, vocabulary, model name. Each failure is a 4xx ApiError."""
+
+    def __init__(self, engine: EngineProtocol, tokenizer: TokenizerProtocol, model_name: str) -> None:
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise ApiError(404, f"model '{name}' does not exist; this server serves '{self.model_name}' "
+                                "(see /v1/models)", param="model", code="model_not_found")
+
+    def check_ids(self, ids: Sequence[int], param: str) -> None:
+        bad = [i for i in ids if not 0 <= i < self.tokenizer.vocab_size]
+        if bad:
+            raise ApiError(400, f"token id {bad[0]} in '{param}' is outside the vocabulary "
+                                f"[0, {self.tokenizer.vocab_size})", param=param)
+
+    def max_tokens(self, asked: int | None, prompt_len: int, default: int | None) -> int:
+        """The completion budget; the prompt plus it must fit in max_model_len (both numbers in the message)."""
+        limit = self.engine.max_model_len
+        if prompt_len >= limit:
+            raise ApiError(400, f"the prompt has {prompt_len} tokens but this model's maximum context length is "
+                                f"{limit} tokens (prompt + at least 1 generated token); shorten the prompt",
+                           param="prompt", code="context_length_exceeded")
+        if asked is None:
+            return min(default, limit - prompt_len) if default is not None else limit - prompt_len
+        if asked < 1:
+            raise ApiError(400, f"max_tokens must be at least 1, got {asked}", param="max_tokens")
+        if prompt_len + asked > limit:
+            raise ApiError(400, f"this model's maximum context length is {limit} tokens, but the request has "
+                                f"{prompt_len} prompt tokens and asks for {asked} completion tokens; shorten the "
+                                "prompt or lower max_tokens", param="max_tokens", code="context_length_exceeded")
+        return asked
+
+    def sampling(self, body: _SamplingFields, prompt_len: int, max_tokens: int | None, default: int | None
+                 ) -> SamplingParams:
+        if body.n != 1:
+            raise ApiError(400, f"n={body.n} is not supported; send n=1 (one choice per request)", param="n")
+        if body.temperature < 0:
+            raise ApiError(400, f"temperature must be >= 0, got {body.temperature}", param="temperature")
+        if not 0 < body.top_p <= 1:
+            raise ApiError(400, f"top_p must be in (0, 1], got {body.top_p}", param="top_p")
+        stop_ids = tuple(body.stop_token_ids or ())
+        self.check_ids(stop_ids, "stop_token_ids")
+        return SamplingParams(max_tokens=self.max_tokens(max_tokens, prompt_len, default),
+                              temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                              stop_token_ids=stop_ids, ignore_eos=body.ignore_eos)
+
+    def completion_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt) if prompt else []
+        else:
+            ids = list(prompt)
+            self.check_ids(ids, "prompt")
+        if not ids:
+            raise ApiError(400, "the prompt is empty; send at least one token", param="prompt")
+        return ids
+
+    def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+        if not messages:
+            raise ApiError(400, "messages is empty; send at least one message", param="messages")
+        plain = [{"role": m.role, "content": _message_text(m)} for m in messages]
+        ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(plain))
+        if not ids:
+            raise ApiError(400, "the chat template rendered an empty prompt", param="messages")
+        return ids
+
+    def prepare(self, body: _SamplingFields, prompt_ids: list[int], max_tokens: int | None, default: int | None,
+                prefix: str) -> Prepared:
+        sampling = self.sampling(body, len(prompt_ids), max_tokens, default)
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        request = GenerationRequest(request_id=f"{prefix}-{uuid.uuid4().hex}", prompt_ids=tuple(prompt_ids),
+                                    sampling=sampling, cache_salt=body.cache_salt or "")
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return Prepared(request, tuple(s for s in stop if s), body.stream, include_usage, time.perf_counter())
+
+
+def _message_text(message: ChatMessage) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    for part in message.content:
+        if part.type != "text" or part.text is None:
+            raise ApiError(400, f"content part of type '{part.type}' is not supported; send text parts only",
+                           param="messages")
+    return "".join(part.text or "" for part in message.content)
+
+
+# ---------------------------------------------------------------- engine events -> asyncio
+
+
+class _EventStream:
+    """One request's TokenEvents, delivered from the engine thread into the server's event loop.
+
+    The engine calls back on its own thread, and asyncio.Queue is not thread-safe, so the callback hands each event
+    to the loop with `call_soon_threadsafe`, which also wakes the loop at once: the first token leaves without any
+    polling delay. The queue is unbounded so the engine thread never blocks on a slow client.
+    Invariant: once iteration stops before the finished event (client gone, cancelled), the request is aborted.
+    """
+
+    def __init__(self, engine: EngineProtocol, request: GenerationRequest) -> None:
+        self._engine, self._request = engine, request
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.finished = False
+
+    def _on_event(self, event: TokenEvent) -> None:  # engine thread
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:  # the loop is closed (server shutting down): nobody is listening any more
+            pass
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        self._engine.submit(self._request, self._on_event)
+        try:
+            while not self.finished:
+                event = await self._queue.get()
+                self.finished = event.finished
+                yield event
+        finally:
+            if not self.finished:
+                log.info("request %s abandoned by its client; aborting", self._request.request_id)
+                self._engine.abort(self._request.request_id)
+
+    def abort(self) -> None:
+        """Ask the engine to stop early; it still ends the stream with a finished event."""
+        self._engine.abort(self._request.request_id)
+
+
+# ---------------------------------------------------------------- events -> text pieces
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A step of a response: new text, and on the last piece the finish reason and usage (or an error)."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: str | None = None
+
+
+async def _pieces(app: "_Server", prepared: Prepared, endpoint: str) -> AsyncIterator[Piece]:
+    """Text deltas in order; ends with one Piece that has finish_reason (or error) set.
+
+    Stop tokens (the request's stop_token_ids, and EOS unless ignore_eos) end generation and are not part of the text.
+    A stop string cuts the text before it and aborts the engine request; its finished event still comes (it carries
+    the usage), and the tokens it brings after the cut are dropped.
+    """
+    sampling = prepared.request.sampling
+    hidden = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(app.engine.eos_token_ids))
+    text = IncrementalText(app.tokenizer.decode, prepared.stop)
+    stream = _EventStream(app.engine, prepared.request)
+    accepted = 0
+    app.metrics.running.inc()
+    try:
+        async for event in stream.events():
+            if accepted == 0 and event.token_id is not None:
+                app.metrics.observe_ttft(endpoint, time.perf_counter() - prepared.arrived)
+            if event.token_id is not None and not text.stopped:
+                accepted += 1
+                if event.token_id not in hidden:
+                    delta = text.add(event.token_id)
+                    if text.stopped:
+                        stream.abort()
+                    if delta:
+                        yield Piece(delta)
+            if event.finished:
+                usage = _final_usage(event.usage, prepared, accepted, text.stopped)
+                app.metrics.observe_usage(usage)
+                if event.error is not None:
+                    yield Piece(finish_reason="error", usage=usage, error=event.error)
+                    return
+                tail = text.finish()
+                if tail:
+                    yield Piece(tail)
+                reason = "stop" if text.stopped else (event.finish_reason or "stop")
+                yield Piece(finish_reason=reason, usage=usage)
+    finally:
+        app.metrics.running.dec()
+
+
+def _final_usage(usage: Usage | None, prepared: Prepared, accepted: int, cut: bool) -> Usage:
+    """The engine's usage; after a stop-string cut, completion tokens are those up to the cut."""
+    if usage is None:
+        usage = Usage(len(prepared.request.prompt_ids), accepted, 0, 0)
+    if cut:
+        usage = Usage(usage.prompt_tokens, accepted, usage.local_hit_tokens, usage.pool_hit_tokens)
+    return usage
+
+
+# ---------------------------------------------------------------- response bodies (OpenAI's shapes)
+
+
+class KVShareHits(msgspec.Struct):
+    local_hit_tokens: int
+    pool_hit_tokens: int
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int
+
+
+class UsageBody(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+    kvshare: KVShareHits
+
+    @classmethod
+    def of(cls, usage: Usage) -> "UsageBody":
+        return cls(usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens + usage.completion_tokens,
+                   PromptTokensDetails(usage.cached_tokens), _hits(usage))
+
+
+def _hits(usage: Usage) -> KVShareHits:
+    return KVShareHits(usage.local_hit_tokens, usage.pool_hit_tokens)
+
+
+class TextChoice(msgspec.Struct):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class Delta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class DeltaChoice(msgspec.Struct):
+    index: int
+    delta: Delta
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class Message(msgspec.Struct):
+    role: str
+    content: str
+
+
+class MessageChoice(msgspec.Struct):
+    index: int
+    message: Message
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class Chunk(msgspec.Struct, omit_defaults=True):
+    """A streamed chunk; `kvshare` rides on the chunk that carries finish_reason, `usage` on the include_usage one."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list
+    usage: UsageBody | None = None
+    kvshare: KVShareHits | None = None
+
+
+class Whole(msgspec.Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list
+    usage: UsageBody
+    kvshare: KVShareHits
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def _sse(payload: msgspec.Struct | dict) -> bytes:
+    return b"data: " + _encoder.encode(payload) + b"\n\n"
+
+
+class _Format:
+    """How one endpoint spells its pieces: chunks while streaming, one body otherwise."""
+
+    object_chunk: str
+    object_whole: str
+
+    def __init__(self, request_id: str, model: str) -> None:
+        self.id, self.model, self.created = request_id, model, int(time.time())
+
+    def chunk(self, choices: list, **extra) -> Chunk:
+        return Chunk(self.id, self.object_chunk, self.created, self.model, choices, **extra)
+
+    def opening(self) -> list[Chunk]:
+        return []
+
+    def delta(self, text: str, finish_reason: str | None = None) -> object: ...
+
+    def whole_choice(self, text: str, finish_reason: str) -> object: ...
+
+    def whole(self, text: str, finish_reason: str, usage: Usage) -> Whole:
+        return Whole(self.id, self.object_whole, self.created, self.model, [self.whole_choice(text, finish_reason)],
+                     UsageBody.of(usage), _hits(usage))
+
+
+class _CompletionFormat(_Format):
+    object_chunk = object_whole = "text_completion"
+
+    def delta(self, text: str, finish_reason: str | None = None) -> TextChoice:
+        return TextChoice(0, text, finish_reason)
+
+    def whole_choice(self, text: str, finish_reason: str) -> TextChoice:
+        return TextChoice(0, text, finish_reason)
+
+
+class _ChatFormat(_Format):
+    object_chunk, object_whole = "chat.completion.chunk", "chat.completion"
+
+    def opening(self) -> list[Chunk]:
+        # The role goes out at once (before any token), as OpenAI does; content deltas follow.
+        return [self.chunk([DeltaChoice(0, Delta(role="assistant", content=""), None)])]
+
+    def delta(self, text: str, finish_reason: str | None = None) -> DeltaChoice:
+        return DeltaChoice(0, Delta(content=text) if text else Delta(), finish_reason)
+
+    def whole_choice(self, text: str, finish_reason: str) -> MessageChoice:
+        return MessageChoice(0, Message("assistant", text), finish_reason)
+
+
+async def _sse_stream(pieces: AsyncIterator[Piece], fmt: _Format, include_usage: bool) -> AsyncIterator[bytes]:
+    """SSE bytes, one yield per chunk so each leaves at once; always ends with `data: [DONE]`."""
+    for chunk in fmt.opening():
+        yield _sse(chunk)
+    async for piece in pieces:
+        if piece.error is not None:
+            yield _sse({"error": {"message": f"generation failed: {piece.error}", "type": "server_error",
+                                  "param": None, "code": None}})
+            break
+        if piece.text:
+            yield _sse(fmt.chunk([fmt.delta(piece.text)]))
+        if piece.finish_reason is not None:
+            hits = _hits(piece.usage) if piece.usage else None
+            yield _sse(fmt.chunk([fmt.delta("", piece.finish_reason)], kvshare=hits))
+            if include_usage and piece.usage is not None:
+                yield _sse(fmt.chunk([], usage=UsageBody.of(piece.usage)))
+    yield b"data: [DONE]\n\n"
+
+
+async def _collect(pieces: AsyncIterator[Piece], fmt: _Format) -> Response:
+    parts: list[str] = []
+    async for piece in pieces:
+        if piece.error is not None:
+            return ApiError(500, f"generation failed: {piece.error}").response()
+        parts.append(piece.text)
+        if piece.finish_reason is not None:
+            body = fmt.whole("".join(parts), piece.finish_reason, piece.usage)
+            return Response(_encoder.encode(body), media_type="application/json")
+    return ApiError(500, "the engine ended the request without a finished event").response()
+
+
+async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[Response]]) -> Response:
+    """Runs a non-streaming generation but cancels it (hence aborts the engine request) if the client goes away."""
+    task = asyncio.ensure_future(work())
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+    finally:
+        watcher.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---------------------------------------------------------------- the app
+
+
+class _Server:
+    """What the route handlers share: engine, tokenizer, validator, metrics."""
+
+    def __init__(self, engine: EngineProtocol, tokenizer: TokenizerProtocol, model_name: str,
+                 is_alive: Callable[[], bool]) -> None:
+        self.engine, self.tokenizer, self.model_name, self.is_alive = engine, tokenizer, model_name, is_alive
+        self.validator = _Validator(engine, tokenizer, model_name)
+        self.metrics = ServerMetrics(self._connector_stats)
+        self.started = int(time.time())
+
+    def _connector_stats(self):
+        # The engine's optional `connector` (set by Engine.set_connector; None with --pool none). Read at scrape
+        # time, so a connector attached after the app was built is still exported.
+        connector = getattr(self.engine, "connector", None)
+        return connector.stats if connector is not None else None
+
+    async def completions(self, request: Request) -> Response:
+        body = parse_body(CompletionRequest, await request.body())
+        self.validator.check_model(body.model)
+        ids = self.validator.completion_prompt(body.prompt)
+        prepared = self.validator.prepare(body, ids, body.max_tokens, default=16, prefix="cmpl")
+        return await self._respond(request, prepared, _CompletionFormat(prepared.request.request_id,
+                                                                        self.model_name), COMPLETIONS)
+
+    async def chat(self, request: Request) -> Response:
+        body = parse_body(ChatRequest, await request.body())
+        self.validator.check_model(body.model)
+        ids = self.validator.chat_prompt(body.messages)
+        asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        prepared = self.validator.prepare(body, ids, asked, default=None, prefix="chatcmpl")
+        return await self._respond(request, prepared, _ChatFormat(prepared.request.request_id, self.model_name),
+                                   CHAT)
+
+    async def _respond(self, request: Request, prepared: Prepared, fmt: _Format, endpoint: str) -> Response:
+        pieces = _pieces(self, prepared, endpoint)
+        if prepared.stream:
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(_sse_stream(pieces, fmt, prepared.include_usage),
+                                     media_type="text/event-stream", headers=headers)
+        return await _unless_disconnected(request, lambda: _collect(pieces, fmt))
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.started,
+                                            "owned_by": "kvshare", "max_model_len": self.engine.max_model_len}]}
+
+
+class _CountRequests:
+    """ASGI middleware: counts every HTTP response by endpoint and status (streams count at their start line)."""
+
+    def __init__(self, app, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.count_request(endpoint, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def create_app(engine: EngineProtocol, tokenizer: TokenizerProtocol, model_name: str, *,
+               is_alive: Callable[[], bool] | None = None) -> FastAPI:
+    """The FastAPI app. `is_alive` answers /health (default: the engine's own `is_alive()` if it has one, else
+    always true while the server answers)."""
+    server = _Server(engine, tokenizer, model_name, is_alive or _default_liveness(engine))
+    app = FastAPI(title="kvshare replica", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, error: ApiError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+        log.exception("unexpected error serving %s", request.url.path)
+        return ApiError(500, f"internal error: {type(error).__name__}: {error}").response()
+
+    app.add_api_route(COMPLETIONS, server.completions, methods=["POST"])
+    app.add_api_route(CHAT, server.chat, methods=["POST"])
+    app.add_api_route("/v1/models", server.models, methods=["GET"])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if server.is_alive():
+            return JSONResponse({"status": "ok"})
+        return ApiError(503, "the engine loop is not running; restart the replica").response()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        data, content_type = server.metrics.render()
+        return Response(data, media_type=content_type)
+
+    app.add_middleware(_CountRequests, metrics=server.metrics)
+    return app
+
+
+def _default_liveness(engine: EngineProtocol) -> Callable[[], bool]:
+    probe = getattr(engine, "is_alive", None)  # optional in EngineProtocol; kvshare's Engine has it
+    return probe if callable(probe) else (lambda: True)
+
+
+def serve(engine: EngineProtocol, tokenizer: TokenizerProtocol, *, host: str, port: int, model_name: str,
+          is_alive: Callable[[], bool] | None = None) -> None:
+    """Serves until SIGINT/SIGTERM (blocking), then shuts the engine down."""
+    import uvicorn
+
+    app = create_app(engine, tokenizer, model_name, is_alive=is_alive)
+    log.info("serving %s on http://%s:%d", model_name, host, port)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    finally:
+        engine.shutdown()
