@@ -3,8 +3,9 @@
 `python -m kvshare.router.stub --name A --port 8001` serves /health, /v1/models, /v1/completions and
 /v1/chat/completions. Every response (JSON or each SSE event) carries `"replica": NAME` and SSE events a running
 `"seq"`, so a test can see where a request went and that a stream arrived whole and in order. A request body may
-carry `"stub": {"status": 503}` (answer that status) or `"stub": {"fail_after": K}` (drop the connection after K
-events); `POST /stub/health {"ok": false}` makes /health answer 503. Bad input (no prompt/messages, max_tokens < 0,
+carry `"stub": {"status": 503}` (answer that status), `{"fail_after": K}` (drop the connection after K events) or
+`{"hold_after": K}` (after K events, wait for `POST /stub/release`), optionally with `"only": NAME` so that only the
+replica of that name obeys; `POST /stub/health {"ok": false}` makes /health answer 503. Bad input (no prompt/messages, max_tokens < 0,
 body not JSON) gets an OpenAI-style 400, as a real replica would.
 """
 
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 def create_stub_app(name: str, first_token_delay_s: float = 0.0, token_interval_s: float = 0.0) -> FastAPI:
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     state = {"healthy": True, "requests": 0}
+    state["release"] = asyncio.Event()  # POST /stub/release sets it (held streams continue) and arms a fresh one
 
     @app.get("/health")
     async def health() -> Response:
@@ -32,9 +34,15 @@ def create_stub_app(name: str, first_token_delay_s: float = 0.0, token_interval_
         state["healthy"] = bool((await request.json())["ok"])
         return JSONResponse({"replica": name, "healthy": state["healthy"]})
 
+    @app.post("/stub/release")
+    async def release_held() -> Response:
+        state["release"].set()
+        state["release"] = asyncio.Event()
+        return JSONResponse({"replica": name})
+
     @app.get("/stub/state")
     async def stub_state() -> Response:
-        return JSONResponse({"replica": name, **state})
+        return JSONResponse({"replica": name, "healthy": state["healthy"], "requests": state["requests"]})
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -52,11 +60,13 @@ def create_stub_app(name: str, first_token_delay_s: float = 0.0, token_interval_
         if problem:
             return _bad_request(problem)
         control = body.get("stub") or {}
+        if control.get("only", name) != name:
+            control = {}
         if control.get("status"):
             return JSONResponse({"error": {"message": f"stub told to answer {control['status']}"}}, control["status"])
         tokens = int(body.get("max_tokens", 4))
         if body.get("stream"):
-            events = _events(name, body, tokens, control.get("fail_after"), first_token_delay_s, token_interval_s)
+            events = _events(name, body, tokens, control, state, first_token_delay_s, token_interval_s)
             return StreamingResponse(events, media_type="text/event-stream")
         await asyncio.sleep(first_token_delay_s)
         text = "".join(f"t{i} " for i in range(tokens))
@@ -90,11 +100,13 @@ def _usage(body: dict, tokens: int) -> dict:
     return {"usage": usage, "kvshare": {"local_hit_tokens": 0, "pool_hit_tokens": 0}}
 
 
-async def _events(name, body, tokens, fail_after, first_delay_s, interval_s):
+async def _events(name, body, tokens, control, state, first_delay_s, interval_s):
     await asyncio.sleep(first_delay_s)
     for seq in range(tokens):
-        if fail_after is not None and seq >= fail_after:
-            raise RuntimeError(f"stub {name} told to fail after {fail_after} events")
+        if seq == control.get("fail_after"):
+            raise RuntimeError(f"stub {name} told to fail after {seq} events")
+        if seq == control.get("hold_after"):
+            await state["release"].wait()
         event = {**_completion(name, body), "seq": seq, "choices": [{"index": 0, "text": f"t{seq} "}]}
         yield f"data: {json.dumps(event)}\n\n".encode()
         if interval_s:
