@@ -1,0 +1,264 @@
+"""Deployments a benchmark runs against: local processes it starts and stops (pool, two replicas, router), or
+endpoint sets the user gives. Switching the arm (OFF = replicas without the pool, ON = with it) is `activate(arm)`.
+
+Invariant: every process a LocalDeployment starts runs in its own process group and is stopped by `close()` (SIGTERM
+to the group, then SIGKILL after a grace period), also when the benchmark fails or is interrupted; the pool removes
+its socket and arena on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Protocol
+
+import httpx
+
+from kvshare.bench.client import BenchError, EndpointUnreachable
+
+log = logging.getLogger(__name__)
+STOP_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Replica A and B base URLs, and a router in front of them when there is one."""
+
+    replicas: tuple[str, ...]
+    router: str | None = None
+
+
+class Deployment(Protocol):
+    def activate(self, arm: str, policy: str | None = None) -> Endpoints:
+        """Make `arm` ("OFF" | "ON") live, with the router on `policy` when one is needed, and return its endpoints."""
+
+    def describe(self) -> str: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class LocalConfig:
+    """How to run the local deployment; both arms get identical flags except --pool (and the same --threads)."""
+
+    model_dir: Path
+    log_dir: Path
+    threads: int = 1
+    pool_size: str = "2GiB"
+    chunk_tokens: int = 256
+    device: str = "cpu"
+    max_model_len: int | None = None
+    ready_timeout_s: float = 300.0
+
+
+class EndpointDeployment:
+    """Two endpoint sets the user runs; `activate` only switches between them (and sets the router's policy)."""
+
+    def __init__(self, off: Endpoints, on: Endpoints):
+        self.sets = {"OFF": off, "ON": on}
+
+    def activate(self, arm: str, policy: str | None = None) -> Endpoints:
+        endpoints = self.sets[arm]
+        if policy and endpoints.router:
+            set_router_policy(endpoints.router, policy)
+        return endpoints
+
+    def describe(self) -> str:
+        return "; ".join(f"{arm}: {', '.join(e.replicas)}" + (f" via {e.router}" if e.router else "")
+                         for arm, e in self.sets.items())
+
+    def close(self) -> None:
+        pass
+
+
+class ManagedProcess:
+    """A child process in its own process group, with its output in a log file."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path):
+        self.name, self.log_path = name, log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with log_path.open("ab") as log_file:
+            # start_new_session: Ctrl-C in the terminal reaches only us; we stop the children ourselves, in order.
+            self.popen = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if not self.alive():
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGTERM)
+        try:
+            self.popen.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(STOP_GRACE_S)
+
+
+class LocalDeployment:
+    """Starts a pool, two `kvshare serve` replicas per arm and a router; restarts replicas when the arm changes."""
+
+    def __init__(self, config: LocalConfig):
+        self.config = config
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvshare-bench-")
+        self.pool_socket = str(Path(self._tmp.name) / "pool.sock")
+        self.pool: ManagedProcess | None = None
+        self.replicas: list[ManagedProcess] = []
+        self.router: ManagedProcess | None = None
+        self.arm: str | None = None
+        self.endpoints: Endpoints | None = None
+        self._policy: str | None = None
+
+    def activate(self, arm: str, policy: str | None = None) -> Endpoints:
+        if arm != self.arm:
+            self._stop_serving()
+            if arm == "ON" and self.pool is None:
+                self._start_pool()
+            urls = tuple(self._start_replica(name, arm) for name in ("a", "b"))
+            self.endpoints, self.arm, self._policy = Endpoints(urls), arm, None
+        if policy and policy != self._policy:
+            self._ensure_router(policy)
+        return self.endpoints
+
+    def describe(self) -> str:
+        c = self.config
+        return (f"local: pool {c.pool_size} (ON arm only), two `kvshare serve` replicas of {c.model_dir.name} on "
+                f"{c.device} with --threads {c.threads} in both arms, chunk {c.chunk_tokens} tokens")
+
+    def close(self) -> None:
+        self._stop_serving()
+        if self.pool:
+            self.pool.stop()
+            self.pool = None
+        self._tmp.cleanup()
+
+    def __enter__(self) -> "LocalDeployment":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _ensure_router(self, policy: str) -> None:
+        if self.router is None or not self.router.alive():
+            port = free_port()
+            argv = _kvshare("route", "--host", "127.0.0.1", "--port", str(port), "--policy", policy)
+            for url in self.endpoints.replicas:
+                argv += ["--replica", url]
+            self.router = ManagedProcess("router", argv, self.config.log_dir / f"router-{self.arm}.log")
+            url = f"http://127.0.0.1:{port}"
+            wait_http_ready(url, self.router, self.config.ready_timeout_s)
+            self.endpoints = Endpoints(self.endpoints.replicas, url)
+        else:
+            set_router_policy(self.endpoints.router, policy)
+        self._policy = policy
+
+    def _start_pool(self) -> None:
+        argv = _kvshare("pool", "serve", "--size", self.config.pool_size, "--socket", self.pool_socket)
+        self.pool = ManagedProcess("pool", argv, self.config.log_dir / "pool.log")
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        while not _socket_accepts(self.pool_socket):
+            _check_starting(self.pool, deadline, f"pool socket {self.pool_socket}")
+            time.sleep(0.1)
+
+    def _start_replica(self, name: str, arm: str) -> str:
+        c, port = self.config, free_port()
+        argv = _kvshare(
+            "serve", "--model", str(c.model_dir), "--host", "127.0.0.1", "--port", str(port), "--device", c.device,
+            "--threads", str(c.threads), "--chunk-tokens", str(c.chunk_tokens),
+            "--pool", self.pool_socket if arm == "ON" else "none",
+        )
+        if c.max_model_len:
+            argv += ["--max-model-len", str(c.max_model_len)]
+        process = ManagedProcess(f"replica-{name}", argv, c.log_dir / f"replica-{name}-{arm}.log")
+        self.replicas.append(process)
+        url = f"http://127.0.0.1:{port}"
+        wait_http_ready(url, process, c.ready_timeout_s)
+        return url
+
+    def _stop_serving(self) -> None:
+        # The router goes first so it never proxies to a replica that is shutting down.
+        for process in ([self.router] if self.router else []) + self.replicas:
+            process.stop()
+        self.router, self.replicas, self.arm, self.endpoints = None, [], None, None
+
+
+def set_router_policy(router_url: str, policy: str) -> None:
+    try:
+        response = httpx.post(f"{router_url}/admin/policy", json={"policy": policy}, timeout=10.0, trust_env=False)
+    except httpx.HTTPError as error:
+        raise EndpointUnreachable(f"cannot reach the router at {router_url} to set policy {policy!r}: {error}") from error
+    if response.status_code >= 400:
+        raise BenchError(f"router {router_url} refused policy {policy!r}: {response.status_code} {response.text[:300]}")
+
+
+def wait_http_ready(url: str, process: ManagedProcess, timeout_s: float) -> None:
+    """Poll GET /health until 200; fail early, with the log's tail, when the process dies."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        _check_starting(process, deadline, url)
+        time.sleep(0.2)
+
+
+def _check_starting(process: ManagedProcess, deadline: float, what: str) -> None:
+    if not process.alive():
+        raise BenchError(f"{process.name} exited with code {process.popen.returncode} before {what} was ready; "
+                         f"its log ({process.log_path}) ends with:\n{process.log_tail()}")
+    if time.monotonic() > deadline:
+        raise BenchError(f"{process.name} did not get ready ({what}) in time; see {process.log_path}")
+
+
+def _socket_accepts(path: str) -> bool:
+    if not os.path.exists(path):
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        try:
+            sock.connect(path)
+            return True
+        except OSError:
+            return False
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _kvshare(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvshare.cli", *args]
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt for the duration, so `finally` blocks stop everything we started."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,65 @@
+"""Reports from rows: summary.json, report.md and plots exist and hold the rows; a partial run is marked partial."""
+
+import json
+
+from kvshare.bench import cross_replica, report, sessions
+from kvshare.bench.rows import RequestRow, RowWriter, read_rows
+from kvshare.bench.sessions import SessionsConfig
+
+LENGTHS = (("1k", 1024), ("2k", 2048))
+
+
+def _cross_rows():
+    rows = []
+    for block, arm in (("OFF1", "OFF"), ("ON1", "ON"), ("ON2", "ON"), ("OFF2", "OFF")):
+        for label, tokens in LENGTHS:
+            for i in range(3):
+                ttft = tokens / 1000 * (1.0 if arm == "OFF" else 0.1) + i * 0.01
+                rows.append(RequestRow(bench="cross-replica", kind="measured", arm=arm, block=block, url="http://b",
+                                       started_at=0.0, length_label=label, length=tokens, ttft_s=ttft,
+                                       latency_s=ttft + 0.1, pool_hit_tokens=tokens if arm == "ON" else 0))
+    return rows
+
+
+def _session_rows():
+    rows = []
+    for arm in ("OFF", "ON"):
+        for placement in ("alternate", "fixed"):
+            for turn in range(1, 4):
+                rows.append(RequestRow(bench="sessions", kind="turn", arm=arm, placement=placement, url="http://r",
+                                       started_at=0.0, session=f"{arm}-{placement}", turn=turn, length_label="1k",
+                                       ttft_s=0.5 if arm == "ON" and turn > 1 else 1.0, latency_s=2.0))
+    return rows
+
+
+def test_summary_and_report_files_hold_the_measured_rows(tmp_path):
+    rows = _cross_rows() + _session_rows()
+    with RowWriter(tmp_path / "requests.jsonl") as writer:
+        for row in rows:
+            writer.write(row)
+    assert read_rows(tmp_path / "requests.jsonl") == rows
+    cross = cross_replica.summarize(rows, LENGTHS)
+    sess = sessions.summarize(rows, SessionsConfig(contexts=(("1k", 1024),), turns=3))
+    info = report.RunInfo("t", "kvshare bench x", report.machine_description(), "here", 0.0, 1.0)
+    files = report.write_report(tmp_path, info, rows, cross, sess)
+    assert {f.name for f in files} == {"summary.json", "report.md", "ttft_vs_length.png", "session_turns.png"}
+    assert all(f.stat().st_size > 0 for f in files)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    first = summary["cross_replica"]["lengths"][0]
+    assert summary["rows"] == len(rows) and summary["cross_replica"]["measured_requests"] == 24
+    assert first["comparison"]["off"]["n"] == 6 and first["comparison"]["on"]["median"] == 0.1124
+    assert abs(first["comparison"]["speedup"] - 1.034 / 0.1124) < 1e-9
+    markdown = (tmp_path / "report.md").read_text()
+    assert "kvshare bench x" in markdown and "OFF1:ON1" in markdown and "Partial" not in markdown
+    gains = {g["placement"]: g for g in summary["sessions"]["gains"]}
+    assert gains["alternate"]["off_total_s"] == 6.0
+
+
+def test_partial_report_marks_the_error_and_keeps_nan_as_null(tmp_path):
+    rows = _cross_rows()[:2]
+    info = report.RunInfo("t", "cmd", "m", "d", 0.0, 1.0, error="cannot reach http://b")
+    report.write_report(tmp_path, info, rows, cross_replica.summarize(rows, LENGTHS), None)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["run"]["error"] == "cannot reach http://b"
+    assert summary["cross_replica"]["lengths"][0]["comparison"]["on"]["median"] is None
+    assert "Partial report" in (tmp_path / "report.md").read_text()
