@@ -119,6 +119,8 @@ class LocalDeployment:
         self.config = config
         self._tmp = tempfile.TemporaryDirectory(prefix="kvshare-bench-")
         self.pool_socket = str(Path(self._tmp.name) / "pool.sock")
+        # An explicit arena path, so that close() can remove it even if the pool had to be SIGKILLed.
+        self.pool_arena = Path("/dev/shm") / f"{Path(self._tmp.name).name}.arena"
         self.pool: ManagedProcess | None = None
         self.replicas: list[ManagedProcess] = []
         self.router: ManagedProcess | None = None
@@ -147,6 +149,7 @@ class LocalDeployment:
         if self.pool:
             self.pool.stop()
             self.pool = None
+        self.pool_arena.unlink(missing_ok=True)
         self._tmp.cleanup()
 
     def __enter__(self) -> "LocalDeployment":
@@ -170,7 +173,8 @@ class LocalDeployment:
         self._policy = policy
 
     def _start_pool(self) -> None:
-        argv = _kvshare("pool", "serve", "--size", self.config.pool_size, "--socket", self.pool_socket)
+        argv = _kvshare("pool", "serve", "--size", self.config.pool_size, "--socket", self.pool_socket,
+                        "--arena", str(self.pool_arena))
         self.pool = ManagedProcess("pool", argv, self.config.log_dir / "pool.log")
         deadline = time.monotonic() + self.config.ready_timeout_s
         while not _socket_accepts(self.pool_socket):
