@@ -1,0 +1,195 @@
+"""The CUDA path: gathers/scatters on a side stream, DMA between a device staging ring and the registered arena.
+
+Two side streams per Transfer: `gather` (index_select / index_copy_ kernels) and `copy` (host<->device DMA), so the
+gather of one slot overlaps the copy of another. Every cross-stream dependency is an event, each one commented:
+- I4 store: `gather` waits on an event recorded on the caller's (producing) stream at store() time, so it reads KV
+  only after every kernel already queued there, including the one that wrote that KV. The caller keeps the source
+  blocks untouched until the returned Handle is done (its event is recorded after the last copy).
+- I5 load: the caller's (consuming) stream waits on the event recorded after the last scatter, before load()
+  returns, so any kernel queued afterwards reads the loaded blocks, never poison or partial data.
+- Load also waits, before scattering, for the work already queued on the caller's stream (it may still read the
+  destination blocks for the request that owned them before): a write-after-read hazard.
+- Staging slot reuse: a slot's next writer waits on the event recorded after its last reader, because the host
+  enqueues far ahead of the GPU and would otherwise overwrite a slot whose copy has not run yet.
+- Memory: index tensors are allocated while the stream that uses them is current, and the staging ring is marked
+  with record_stream for both side streams, so the caching allocator never hands out memory still in use.
+ordering="none" (validation only) drops the caller-stream waits in both directions; nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvshare.transfer.blocks import BlockSpace
+from kvshare.transfer.cpu import kept_segments
+from kvshare.transfer.hostmem import register_pages
+from kvshare.transfer.jobs import ChunkPlan, Handle
+from kvshare.transfer.transfer import Transfer, TransferOptions
+
+
+@dataclass
+class _Slot:
+    buffer: torch.Tensor  # uint8 [slot_pages, units_per_page * block_bytes]: page-shaped staging
+    free: torch.cuda.Event | None = None  # recorded after the slot's last reader; its next writer waits on it
+
+
+@dataclass(frozen=True)
+class _Item:
+    """Pages [j0, j1) of one chunk: what one staging slot carries."""
+
+    chunk: ChunkPlan
+    row_offset: int  # where the chunk's rows start in the batch's device index tensor
+    j0: int
+    j1: int
+
+
+class CudaTransfer(Transfer):
+    def __init__(self, space: BlockSpace, pages: torch.Tensor, options: TransferOptions):
+        super().__init__(space, pages, options)
+        self.device = space.device
+        register_pages(pages)  # once per process and range (hostmem keeps the registry)
+        self.gather_stream = torch.cuda.Stream(self.device)
+        self.copy_stream = torch.cuda.Stream(self.device)
+        self.used_per_page = self.units_per_page * self.layout.block_bytes
+        self.slot_pages = max(1, options.staging_bytes // self.page_size)
+        self._slots = [self._new_slot() for _ in range(options.staging_slots)]
+        self._next_slot = 0
+
+    def _new_slot(self) -> _Slot:
+        buffer = torch.empty(self.slot_pages, self.used_per_page, dtype=torch.uint8, device=self.device)
+        # Allocated on the current stream but used on the side streams: tell the allocator, so freeing the
+        # Transfer cannot recycle a buffer whose copies are still queued.
+        buffer.record_stream(self.gather_stream)
+        buffer.record_stream(self.copy_stream)
+        return _Slot(buffer)
+
+    def _acquire(self, stream: torch.cuda.Stream) -> _Slot:
+        slot = self._slots[self._next_slot]
+        self._next_slot = (self._next_slot + 1) % len(self._slots)
+        if slot.free is not None:
+            stream.wait_event(slot.free)  # WAR on staging: the slot's previous reader must have finished
+        return slot
+
+    @staticmethod
+    def _release(slot: _Slot, stream: torch.cuda.Stream) -> None:
+        slot.free = torch.cuda.Event()
+        slot.free.record(stream)
+
+    # ---- store -------------------------------------------------------------------------------------------------
+    def _store(self, plans: list[ChunkPlan]) -> Handle:
+        caller = torch.cuda.current_stream(self.device)
+        produced = torch.cuda.Event()
+        produced.record(caller)
+        if self.options.ordering == "stream":
+            self.gather_stream.wait_event(produced)  # I4: read KV only after the kernels that wrote it
+        rows, items = self._prepare(plans, self.gather_stream)
+        for item in items:
+            slot = self._acquire(self.gather_stream)
+            with torch.cuda.stream(self.gather_stream):
+                self._gather(item, rows, slot)
+            gathered = torch.cuda.Event()
+            gathered.record(self.gather_stream)
+            self.copy_stream.wait_event(gathered)  # RAW on staging: copy out only what the gather wrote
+            with torch.cuda.stream(self.copy_stream):
+                self._copy_pages(item, slot, to_host=True)
+            self._release(slot, self.copy_stream)
+        return self._finish(self.copy_stream)
+
+    def _gather(self, item: _Item, rows: torch.Tensor, slot: _Slot) -> None:
+        units = slot.buffer.view(-1, self.layout.block_bytes)  # [slot_pages * upp, block_bytes]
+        u_start, u_end = item.chunk.page_units(item.j0)[0], item.chunk.page_units(item.j1 - 1)[1]
+        for group, a, b in self.space.group_spans(item.chunk.blocks_per_chunk, u_start, u_end):
+            index = rows[item.row_offset + a : item.row_offset + b]
+            for view, offset in zip(group.views, self.space.run_offsets):
+                out = units[a - u_start : b - u_start, offset : offset + self.space.run_bytes]
+                torch.index_select(view, 0, index, out=out)
+
+    # ---- load --------------------------------------------------------------------------------------------------
+    def _load(self, plans: list[ChunkPlan]) -> Handle:
+        caller = torch.cuda.current_stream(self.device)
+        earlier = torch.cuda.Event()
+        earlier.record(caller)
+        if self.options.ordering == "stream":
+            self.gather_stream.wait_event(earlier)  # WAR: earlier kernels may still read the destination blocks
+        rows, items = self._prepare(plans, self.copy_stream)
+        for item in items:
+            slot = self._acquire(self.copy_stream)
+            with torch.cuda.stream(self.copy_stream):
+                self._copy_pages(item, slot, to_host=False)
+            copied = torch.cuda.Event()
+            copied.record(self.copy_stream)
+            self.gather_stream.wait_event(copied)  # RAW on staging: scatter only after the pages arrived
+            with torch.cuda.stream(self.gather_stream):
+                self._scatter(item, rows, slot)
+            self._release(slot, self.gather_stream)
+        handle = self._finish(self.gather_stream)
+        if self.options.ordering == "stream":
+            caller.wait_event(handle.event)  # I5: later kernels on the caller's stream see the loaded blocks
+        return handle
+
+    def _scatter(self, item: _Item, rows: torch.Tensor, slot: _Slot) -> None:
+        units = slot.buffer.view(-1, self.layout.block_bytes)
+        chunk = item.chunk
+        u_start, u_end = chunk.page_units(item.j0)[0], chunk.page_units(item.j1 - 1)[1]
+        for group, a, b in self.space.group_spans(chunk.blocks_per_chunk, u_start, u_end):
+            for s, e in kept_segments(chunk.rows, a, b):
+                index = rows[item.row_offset + s : item.row_offset + e]
+                for view, offset in zip(group.views, self.space.run_offsets):
+                    view.index_copy_(0, index, units[s - u_start : e - u_start, offset : offset + self.space.run_bytes])
+
+    # ---- shared ------------------------------------------------------------------------------------------------
+    def _prepare(self, plans: list[ChunkPlan], first: torch.cuda.Stream) -> tuple[torch.Tensor, list[_Item]]:
+        """Upload the batch's unit rows and cut it into slot-sized items."""
+        if self.options.side_delay_cycles:
+            with torch.cuda.stream(first):
+                torch.cuda._sleep(self.options.side_delay_cycles)  # validation only: make the side streams late
+        items, offset = [], 0
+        for chunk in plans:
+            for j0 in range(0, len(chunk.pages), self.slot_pages):
+                items.append(_Item(chunk, offset, j0, min(j0 + self.slot_pages, len(chunk.pages))))
+            offset += len(chunk.rows)
+        host_rows = np.concatenate([chunk.rows for chunk in plans]) if plans else np.zeros(0, np.int64)
+        # Allocated while gather_stream is current, the only stream that reads it: its memory is then recycled
+        # only after that stream's queued gathers/scatters (the allocator orders reuse per stream).
+        with torch.cuda.stream(self.gather_stream):
+            rows = torch.from_numpy(host_rows).to(self.device)
+        return rows, items
+
+    def _copy_pages(self, item: _Item, slot: _Slot, to_host: bool) -> None:
+        """Non-blocking DMA between the slot and the item's arena pages, coalescing runs of adjacent full pages."""
+        staging, arena = slot.buffer.view(-1), self.pages.view(-1)
+        for k0, page, nbytes in _page_runs(item, self.page_size, self.used_per_page, self.layout.block_bytes):
+            device_part = staging[k0 * self.used_per_page : k0 * self.used_per_page + nbytes]
+            host_part = arena[page * self.page_size : page * self.page_size + nbytes]
+            if to_host:
+                host_part.copy_(device_part, non_blocking=True)
+            else:
+                device_part.copy_(host_part, non_blocking=True)
+
+    def _finish(self, last: torch.cuda.Stream) -> "_EventHandle":
+        done = torch.cuda.Event()
+        done.record(last)  # after the batch's last operation (every earlier one precedes it via the events above)
+        return _EventHandle(done)
+
+
+class _EventHandle(Handle):
+    def __init__(self, event: torch.cuda.Event):
+        super().__init__(event.query, event.synchronize)
+        self.event = event
+
+
+def _page_runs(item: _Item, page_size: int, used_per_page: int, block_bytes: int) -> list[tuple[int, int, int]]:
+    """(slot page index, first arena page, bytes) per copy: adjacent pages merge while each is used in full."""
+    runs: list[list[int]] = []
+    for j in range(item.j0, item.j1):
+        u0, u1 = item.chunk.page_units(j)
+        nbytes, page = (u1 - u0) * block_bytes, int(item.chunk.pages[j])
+        last = runs[-1] if runs else None
+        if last and used_per_page == page_size and last[1] + last[2] // page_size == page and last[2] % page_size == 0:
+            last[2] += nbytes
+        else:
+            runs.append([j - item.j0, page, nbytes])
+    return [tuple(run) for run in runs]
