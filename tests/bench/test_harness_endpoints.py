@@ -1,0 +1,74 @@
+"""The harness end to end in endpoint mode, against real HTTP replicas (the router package's stub servers):
+rows, report files, and a mid-run failure that keeps the measured rows and writes a partial report."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvshare.bench.deploy import ManagedProcess, free_port, wait_http_ready
+from kvshare.bench.rows import read_rows
+
+
+@pytest.fixture
+def stubs(tmp_path):
+    """Two running stub replicas; yields their URLs; always stops them."""
+    processes, urls = [], []
+    try:
+        for name in ("A", "B"):
+            port = free_port()
+            argv = [sys.executable, "-m", "kvshare.router.stub", "--name", name, "--port", str(port)]
+            processes.append(ManagedProcess(name, argv, tmp_path / f"stub-{name}.log"))
+            urls.append(f"http://127.0.0.1:{port}")
+            wait_http_ready(urls[-1], processes[-1], 60)
+        yield urls
+    finally:
+        for process in processes:
+            process.stop()
+
+
+def _kvshare(*args):
+    return subprocess.run([sys.executable, "-m", "kvshare.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cross_replica_and_sessions_write_every_row_and_the_report(stubs, tiny_model, tmp_path):
+    urls, out = ",".join(stubs), tmp_path / "cross"
+    result = _kvshare("bench", "cross-replica", "--off", urls, "--on", urls, "--tokenizer", str(tiny_model),
+                      "--lengths", "64,128", "--per-block", "2", "--out", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = read_rows(out / "requests.jsonl")
+    measured = [r for r in rows if r.kind == "measured"]
+    assert len(measured) == 4 * 2 * 2 and len([r for r in rows if r.kind == "warm"]) == 16
+    assert {r.url for r in measured} == {stubs[1]} and {r.url for r in rows if r.kind == "warm"} == {stubs[0]}
+    assert {r.prompt_tokens for r in measured if r.length == 64} == {64 + 32}  # exact token-id prompts
+    assert all(r.ttft_s is not None and r.latency_s >= r.ttft_s for r in measured)
+    assert [r.block for r in measured][:4] == ["OFF1"] * 4
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["cross_replica"]["measured_requests"] == 16
+    assert (out / "ttft_vs_length.png").stat().st_size > 0 and "OFF1:ON1" in (out / "report.md").read_text()
+
+    out = tmp_path / "sessions"
+    result = _kvshare("bench", "sessions", "--off", urls, "--on", urls, "--tokenizer", str(tiny_model),
+                      "--contexts", "128", "--turns", "3", "--user-tokens", "16", "--out", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    turns = [r for r in read_rows(out / "requests.jsonl") if r.kind == "turn"]
+    assert len(turns) == 2 * 2 * 3
+    alternate = [r.url for r in turns if r.placement == "alternate" and r.arm == "ON"]
+    assert alternate == [stubs[0], stubs[1], stubs[0]]
+    assert len({r.url for r in turns if r.placement == "fixed" and r.arm == "ON"}) == 1
+    assert (out / "session_turns.png").exists()
+
+
+def test_a_replica_lost_mid_run_keeps_the_rows_and_writes_a_partial_report(stubs, tiny_model, tmp_path):
+    dead = ",".join(f"http://127.0.0.1:{free_port()}" for _ in range(2))  # the ON set is gone when ON1 starts
+    out = tmp_path / "partial"
+    result = _kvshare("bench", "cross-replica", "--off", ",".join(stubs), "--on", dead, "--tokenizer",
+                      str(tiny_model), "--lengths", "64", "--per-block", "2", "--out", str(out))
+    assert result.returncode == 1
+    assert "cannot reach" in result.stdout + result.stderr
+    rows = read_rows(out / "requests.jsonl")
+    assert [r.block for r in rows if r.kind == "measured"] == ["OFF1", "OFF1"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["cross_replica"]["lengths"][0]["comparison"]["off"]["n"] == 2
+    assert "Partial report" in (out / "report.md").read_text()
