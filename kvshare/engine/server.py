@@ -9,6 +9,7 @@ metrics) -> a `_Format` (completion or chat) writes SSE chunks or one JSON body.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -203,7 +204,11 @@ class _Validator:
         if not messages:
             raise ApiError(400, "messages is empty; send at least one message", param="messages")
         plain = [{"role": m.role, "content": _message_text(m)} for m in messages]
-        ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(plain))
+        try:
+            rendered = self.tokenizer.apply_chat_template(plain)
+        except ValueError as error:  # e.g. the model has no chat template
+            raise ApiError(400, str(error), param="messages") from None
+        ids = self.tokenizer.encode(rendered)
         if not ids:
             raise ApiError(400, "the chat template rendered an empty prompt", param="messages")
         return ids
@@ -237,14 +242,23 @@ class _EventStream:
     The engine calls back on its own thread, and asyncio.Queue is not thread-safe, so the callback hands each event
     to the loop with `call_soon_threadsafe`, which also wakes the loop at once: the first token leaves without any
     polling delay. The queue is unbounded so the engine thread never blocks on a slow client.
-    Invariant: once iteration stops before the finished event (client gone, cancelled), the request is aborted.
+    Invariant: a submitted request either delivers its finished event or is aborted by `close()`, which every
+    response path calls when it ends (normally, on client disconnect, or before its body ever started).
     """
 
     def __init__(self, engine: EngineProtocol, request: GenerationRequest) -> None:
         self._engine, self._request = engine, request
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        self.finished = False
+        self._submitted = self.finished = self._aborted = False
+
+    def start(self) -> None:
+        """Submits the request; an engine that refuses it (ValueError) gives the client a 400."""
+        try:
+            self._engine.submit(self._request, self._on_event)
+        except ValueError as error:
+            raise ApiError(400, f"the engine refused the request: {error}") from None
+        self._submitted = True
 
     def _on_event(self, event: TokenEvent) -> None:  # engine thread
         try:
@@ -253,20 +267,23 @@ class _EventStream:
             pass
 
     async def events(self) -> AsyncIterator[TokenEvent]:
-        self._engine.submit(self._request, self._on_event)
-        try:
-            while not self.finished:
-                event = await self._queue.get()
-                self.finished = event.finished
-                yield event
-        finally:
-            if not self.finished:
-                log.info("request %s abandoned by its client; aborting", self._request.request_id)
-                self._engine.abort(self._request.request_id)
+        while not self.finished:
+            event = await self._queue.get()
+            self.finished = event.finished
+            yield event
 
     def abort(self) -> None:
-        """Ask the engine to stop early; it still ends the stream with a finished event."""
-        self._engine.abort(self._request.request_id)
+        """Ask the engine to stop early; it still ends the stream with a finished event. Idempotent."""
+        if self._submitted and not self.finished and not self._aborted:
+            self._aborted = True
+            self._engine.abort(self._request.request_id)
+
+    def close(self) -> None:
+        """The response is over: a request still running has lost its reader, so stop it."""
+        if self._submitted and not self.finished and not self._aborted:
+            log.info("request %s ended before the engine finished it (client gone); aborting",
+                     self._request.request_id)
+        self.abort()
 
 
 # ---------------------------------------------------------------- events -> text pieces
@@ -282,7 +299,7 @@ class Piece:
     error: str | None = None
 
 
-async def _pieces(app: "_Server", prepared: Prepared, endpoint: str) -> AsyncIterator[Piece]:
+async def _pieces(app: "_Server", prepared: Prepared, stream: _EventStream, endpoint: str) -> AsyncIterator[Piece]:
     """Text deltas in order; ends with one Piece that has finish_reason (or error) set.
 
     Stop tokens (the request's stop_token_ids, and EOS unless ignore_eos) end generation and are not part of the text.
@@ -292,7 +309,6 @@ async def _pieces(app: "_Server", prepared: Prepared, endpoint: str) -> AsyncIte
     sampling = prepared.request.sampling
     hidden = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(app.engine.eos_token_ids))
     text = IncrementalText(app.tokenizer.decode, prepared.stop)
-    stream = _EventStream(app.engine, prepared.request)
     accepted = 0
     app.metrics.running.inc()
     try:
@@ -319,6 +335,7 @@ async def _pieces(app: "_Server", prepared: Prepared, endpoint: str) -> AsyncIte
                 reason = "stop" if text.stopped else (event.finish_reason or "stop")
                 yield Piece(finish_reason=reason, usage=usage)
     finally:
+        stream.close()
         app.metrics.running.dec()
 
 
@@ -472,30 +489,32 @@ async def _sse_stream(pieces: AsyncIterator[Piece], fmt: _Format, include_usage:
     """SSE bytes, one yield per chunk so each leaves at once; always ends with `data: [DONE]`."""
     for chunk in fmt.opening():
         yield _sse(chunk)
-    async for piece in pieces:
-        if piece.error is not None:
-            yield _sse({"error": {"message": f"generation failed: {piece.error}", "type": "server_error",
-                                  "param": None, "code": None}})
-            break
-        if piece.text:
-            yield _sse(fmt.chunk([fmt.delta(piece.text)]))
-        if piece.finish_reason is not None:
-            hits = _hits(piece.usage) if piece.usage else None
-            yield _sse(fmt.chunk([fmt.delta("", piece.finish_reason)], kvshare=hits))
-            if include_usage and piece.usage is not None:
-                yield _sse(fmt.chunk([], usage=UsageBody.of(piece.usage)))
+    async with contextlib.aclosing(pieces):  # closed at once, never left to the garbage collector
+        async for piece in pieces:
+            if piece.error is not None:
+                yield _sse({"error": {"message": f"generation failed: {piece.error}", "type": "server_error",
+                                      "param": None, "code": None}})
+                break
+            if piece.text:
+                yield _sse(fmt.chunk([fmt.delta(piece.text)]))
+            if piece.finish_reason is not None:
+                hits = _hits(piece.usage) if piece.usage else None
+                yield _sse(fmt.chunk([fmt.delta("", piece.finish_reason)], kvshare=hits))
+                if include_usage and piece.usage is not None:
+                    yield _sse(fmt.chunk([], usage=UsageBody.of(piece.usage)))
     yield b"data: [DONE]\n\n"
 
 
 async def _collect(pieces: AsyncIterator[Piece], fmt: _Format) -> Response:
     parts: list[str] = []
-    async for piece in pieces:
-        if piece.error is not None:
-            return ApiError(500, f"generation failed: {piece.error}").response()
-        parts.append(piece.text)
-        if piece.finish_reason is not None:
-            body = fmt.whole("".join(parts), piece.finish_reason, piece.usage)
-            return Response(_encoder.encode(body), media_type="application/json")
+    async with contextlib.aclosing(pieces):  # closed at once, never left to the garbage collector
+        async for piece in pieces:
+            if piece.error is not None:
+                return ApiError(500, f"generation failed: {piece.error}").response()
+            parts.append(piece.text)
+            if piece.finish_reason is not None:
+                body = fmt.whole("".join(parts), piece.finish_reason, piece.usage)
+                return Response(_encoder.encode(body), media_type="application/json")
     return ApiError(500, "the engine ended the request without a finished event").response()
 
 
@@ -555,16 +574,36 @@ class _Server:
                                    CHAT)
 
     async def _respond(self, request: Request, prepared: Prepared, fmt: _Format, endpoint: str) -> Response:
-        pieces = _pieces(self, prepared, endpoint)
+        stream = _EventStream(self.engine, prepared.request)
+        stream.start()
+        pieces = _pieces(self, prepared, stream, endpoint)
         if prepared.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return StreamingResponse(_sse_stream(pieces, fmt, prepared.include_usage),
-                                     media_type="text/event-stream", headers=headers)
-        return await _unless_disconnected(request, lambda: _collect(pieces, fmt))
+            return _ClosingStreamingResponse(_sse_stream(pieces, fmt, prepared.include_usage), stream.close,
+                                             media_type="text/event-stream", headers=headers)
+        try:
+            return await _unless_disconnected(request, lambda: _collect(pieces, fmt))
+        finally:
+            stream.close()
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.started,
                                             "owned_by": "kvshare", "max_model_len": self.engine.max_model_len}]}
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that runs `on_close` however it ends: a client that disconnects before the body generator
+    ever started would otherwise skip the generator's own cleanup (a never-started generator runs no `finally`)."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 class _CountRequests:
