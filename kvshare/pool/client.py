@@ -125,7 +125,7 @@ class PoolClient:
         self._call(p.Hello(namespace_key, description), p.Ok)
 
     def lookup(self, namespace_key: bytes, keys: list[bytes], tokens: list[bytes]) -> Lookup:
-        return self._call(p.Lookup(namespace_key, keys, tokens), p.LookupReply)
+        return self._call(p.Lookup.of(namespace_key, keys, tokens), p.LookupReply)
 
     def reserve(self, namespace_key: bytes, chunks: list[NewChunk]) -> Reservation:
         return self._call(p.Reserve(namespace_key, chunks), p.ReserveReply)

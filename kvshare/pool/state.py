@@ -64,7 +64,7 @@ class PoolState:
             entry = self.index.get(key)
             if entry is None:
                 break
-            if entry.namespace != namespace or entry.parent != parent or entry.tokens != expected:
+            if entry.parent != parent or entry.namespace != namespace or entry.tokens != expected:
                 self.counters["verify_failures"] += 1  # a hash collision or a caller bug: a miss, never wrong KV
                 break
             hits.append(entry)
@@ -193,7 +193,7 @@ class PoolState:
         self.counters["hit_chunks"] += len(hits)
         self.counters["miss_chunks"] += len(tokens) - len(hits)
         self.counters["hit_tokens"] += hit_tokens
-        self.counters["miss_tokens"] += sum(len(t) // 4 for t in tokens) - hit_tokens
+        self.counters["miss_tokens"] += sum(map(len, tokens)) // 4 - hit_tokens
 
     # ---- observation -----------------------------------------------------------------------------------------
 
