@@ -1,0 +1,225 @@
+"""The engine: one thread running schedule -> (pool load) -> model step -> sample -> emit events, for every request.
+
+`submit()` and `abort()` are thread-safe (they only touch the inbox under its lock); everything else, including
+every callback, runs on the engine thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvshare.engine.api import EventCallback, GenerationRequest, KVConnector, TokenEvent, Usage
+from kvshare.engine.block_manager import BlockManager
+from kvshare.engine.config import EngineConfig, ModelConfig
+from kvshare.engine.model_runner import ModelRunner
+from kvshare.engine.pool_hooks import PoolHooks
+from kvshare.engine.sampler import sample
+from kvshare.engine.scheduler import Batch, Scheduler
+from kvshare.engine.sequence import Sequence, Status
+from kvshare.engine.weights import model_fingerprint
+
+log = logging.getLogger(__name__)
+IDLE_WAIT_S = 0.05  # idle loop period: bounds how late a completed store's blocks are given back
+
+
+def eos_token_ids(model_dir: str | Path) -> tuple[int, ...]:
+    """EOS ids from generation_config.json and config.json (either may hold an int or a list)."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        value = json.loads(path.read_text()).get("eos_token_id") if path.exists() else None
+        ids.update(value if isinstance(value, list) else [] if value is None else [value])
+    return tuple(sorted(ids))
+
+
+class Engine:
+    """Implements kvshare.engine.api.EngineProtocol, and exposes its KV cache for a KV connector."""
+
+    def __init__(self, config: EngineConfig, start: bool = True):
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model)
+        self.runner = ModelRunner(config, self.model_config)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs)
+        self.model_name = config.served_model_name or Path(config.model).name
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position,
+                                 self.runner.num_blocks * config.block_size)
+        self.eos_token_ids = eos_token_ids(config.model)
+        self.model_fingerprint = model_fingerprint(config.model, config.load_format, config.seed)
+        self.pool: PoolHooks | None = None
+        self._lock = threading.Condition()  # guards _inbox, _aborts and _stopped; notified on each change
+        self._inbox: list[Sequence] = []
+        self._aborts: set[str] = set()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="kvshare-engine", daemon=True)
+        if start:
+            self._thread.start()
+
+    # --- what a KV connector reads -------------------------------------------------------------------------------
+    kv_caches = property(lambda self: self.runner.kv_caches)
+    num_layers = property(lambda self: self.model_config.num_layers)
+    num_blocks = property(lambda self: self.runner.num_blocks)
+    block_size = property(lambda self: self.config.block_size)
+    num_kv_heads = property(lambda self: self.model_config.num_kv_heads)
+    head_size = property(lambda self: self.model_config.head_dim)
+    dtype = property(lambda self: self.runner.dtype)
+    device = property(lambda self: self.runner.device)
+
+    def set_connector(self, connector: KVConnector | None) -> None:
+        """Plug in the pool (None: cache OFF). Call before the first request."""
+        self.pool = None if connector is None else PoolHooks(connector, self.block_manager)
+
+    # --- EngineProtocol ------------------------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest, callback: EventCallback) -> None:
+        with self._lock:
+            self._inbox.append(Sequence(request, callback))
+            self._lock.notify()
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.add(request_id)
+            self._lock.notify()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stopped = True
+            self._lock.notify()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    # --- the loop ------------------------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One scheduling step; False when there was nothing to run."""
+        self._take_inbox()
+        if self.pool:
+            self.pool.poll()
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return False
+        if batch.is_prefill and self.pool:
+            self.pool.load_prefix(batch.seqs[0])
+        logits = self.runner.prefill(batch.seqs[0]) if batch.is_prefill else self.runner.decode(batch.seqs)
+        self._postprocess(batch, sample(logits, batch.seqs))
+        return True
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                if self._stopped:
+                    break
+                if not (self._inbox or self._aborts or self.scheduler.has_work()):
+                    self._lock.wait(IDLE_WAIT_S)
+            try:
+                if not self.step():
+                    with self._lock:
+                        if not (self._inbox or self._aborts or self._stopped):
+                            self._lock.wait(IDLE_WAIT_S)  # nothing runnable (e.g. blocks held by stores)
+            except Exception as error:  # noqa: BLE001 - a bug must end the requests in flight, not the server
+                log.exception("engine step failed; failing the requests in flight")
+                for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+                    self._finish(seq, "error", error=f"engine error: {error!r}")
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self._finish(seq, "abort", error="engine shut down")
+
+    def _take_inbox(self) -> None:
+        with self._lock:
+            new, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, set()
+        for seq in new:
+            problem = self._validate(seq)
+            if problem:
+                self._emit(seq, TokenEvent(seq.request_id, None, True, "error", self._usage(seq), problem))
+            else:
+                self.scheduler.add(seq)
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            if seq.request_id in aborts:
+                self._finish(seq, "abort")
+
+    def _validate(self, seq: Sequence) -> str | None:
+        n, vocab = seq.num_prompt_tokens, self.model_config.vocab_size
+        if n == 0:
+            return "the prompt is empty: send at least one token"
+        if n >= self.max_model_len:
+            return (f"the prompt has {n} tokens but this model accepts at most {self.max_model_len - 1}: "
+                    "shorten it or start the server with a larger --max-model-len / KV cache")
+        if min(seq.token_ids) < 0 or max(seq.token_ids) >= vocab:
+            return f"token ids must be in [0, {vocab}): the prompt holds {min(seq.token_ids)}..{max(seq.token_ids)}"
+        if seq.sampling.max_tokens < 1:
+            return f"max_tokens must be at least 1, got {seq.sampling.max_tokens}"
+        return None
+
+    def _postprocess(self, batch: Batch, tokens: list[int]) -> None:
+        for seq, token in zip(batch.seqs, tokens):
+            if batch.is_prefill and not seq.admitted:  # hits count once: a preempted request's recompute is no hit
+                seq.admitted = True
+                seq.local_hit_tokens = seq.num_computed - seq.pool_hit_tokens
+            seq.num_computed = seq.num_tokens
+            self.block_manager.register_computed(seq)
+            seq.token_ids.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason is None or reason == "length":  # EOS and stop tokens are not part of the output
+                self._emit(seq, TokenEvent(seq.request_id, token))
+            if batch.is_prefill and self.pool:
+                self.pool.store(seq, seq.num_prompt_tokens)  # after the first token left: no TTFT cost
+            if reason:
+                self._finish(seq, reason)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        sp = seq.sampling
+        if (token in self.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+            return "stop"
+        if seq.num_completion_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """Store the chunks completed by generated tokens, emit the finished event, free the blocks (stores hold
+        theirs)."""
+        if self.pool:
+            if seq.block_table and reason in ("stop", "length"):
+                self.pool.store(seq, seq.num_computed)
+            self.pool.release(seq)
+        self._emit(seq, TokenEvent(seq.request_id, None, True, reason, self._usage(seq), error))
+        self.scheduler.remove(seq)
+
+    def _usage(self, seq: Sequence) -> Usage:
+        return Usage(seq.num_prompt_tokens, seq.num_completion_tokens, seq.local_hit_tokens, seq.pool_hit_tokens)
+
+    def _emit(self, seq: Sequence, event: TokenEvent) -> None:
+        try:
+            seq.callback(event)
+        except Exception:  # noqa: BLE001 - a consumer's bug must not stop the engine
+            log.exception("callback of request %s failed", seq.request_id)
+
+
+@dataclass
+class Result:
+    """What generate() returns per request: the emitted tokens and the finished event."""
+
+    token_ids: list[int] = field(default_factory=list)
+    finished: TokenEvent | None = None
+
+
+def generate(engine: Engine, requests: list[GenerationRequest], timeout: float = 600.0) -> list[Result]:
+    """Submit every request, wait for all to finish (bounded by timeout), return their results in order."""
+    results = {r.request_id: Result() for r in requests}
+    done = threading.Semaphore(0)
+
+    def on_event(event: TokenEvent) -> None:
+        result = results[event.request_id]
+        if event.token_id is not None:
+            result.token_ids.append(event.token_id)
+        if event.finished:
+            result.finished = event
+            done.release()
+
+    for request in requests:
+        engine.submit(request, on_event)
+    for _ in requests:
+        if not done.acquire(timeout=timeout):
+            raise TimeoutError(f"requests not finished within {timeout} s")
+    return [results[r.request_id] for r in requests]

@@ -1,0 +1,151 @@
+"""`kvshare make-model`: writes a loadable Hugging Face model folder (config, random weights, a locally trained
+byte-level BPE tokenizer with a ChatML template), so tests, demos and benchmarks need no download."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from kvshare.engine.config import ModelConfig
+from kvshare.engine.weights import dummy_state_dict
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+BOS, EOS = "<|endoftext|>", "<|im_end|>"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Preset:
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position: int
+    rope_theta: float
+    tokenizer_vocab: int  # trained BPE size; the rest of the model's vocab is filled with reserved tokens (if any)
+    weights_dtype: str | None  # None: config only, for --load-format dummy
+
+
+PRESETS = {
+    "tiny": Preset("LlamaForCausalLM", 128, 256, 2, 4, 2, 32, 1024, 4096, 10000.0, 1024, "float32"),
+    "small": Preset("LlamaForCausalLM", 1024, 2816, 12, 16, 4, 64, 8192, 16384, 10000.0, 8192, "bfloat16"),
+    "qwen2.5-32b": Preset("Qwen2ForCausalLM", 5120, 27648, 64, 40, 8, 128, 152064, 262144, 1e6, 1024, None),
+}
+
+
+def hf_config(p: Preset, bos_id: int, eos_id: int) -> dict:
+    config = {
+        "architectures": [p.architecture],
+        "model_type": "qwen2" if p.architecture == "Qwen2ForCausalLM" else "llama",
+        "vocab_size": p.vocab_size,
+        "hidden_size": p.hidden_size,
+        "intermediate_size": p.intermediate_size,
+        "num_hidden_layers": p.num_layers,
+        "num_attention_heads": p.num_heads,
+        "num_key_value_heads": p.num_kv_heads,
+        "head_dim": p.head_dim,
+        "max_position_embeddings": p.max_position,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": p.rope_theta,
+        "rope_scaling": None,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "tie_word_embeddings": False,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": p.weights_dtype or "bfloat16",
+        "use_cache": True,
+    }
+    if p.architecture == "Qwen2ForCausalLM":
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=p.num_layers)
+    else:
+        config.update(attention_bias=False, mlp_bias=False)
+    return config
+
+
+def training_text(seed: int, num_words: int = 120_000) -> list[str]:
+    """Deterministic pseudo-English (syllable words, numbers, punctuation) for training the BPE merges."""
+    rng = random.Random(seed)
+    syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ai", "ou")]
+    lexicon = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(3000)]
+    lexicon += "the of and to in is that for it as with was on be by this are from or at you".split()
+    lines, words = [], []
+    for i in range(num_words):
+        word = str(rng.randint(0, 9999)) if rng.random() < 0.05 else rng.choice(lexicon)
+        words.append(word.capitalize() if not words else word)
+        if rng.random() < 0.08:
+            lines.append(" ".join(words) + rng.choice([".", "?", "!", ":", ","]))
+            words = []
+    return lines
+
+
+def train_tokenizer(vocab_size: int, fill_to: int, seed: int) -> Tokenizer:
+    """Byte-level BPE of `vocab_size` tokens, padded with reserved special tokens to exactly `fill_to` when larger."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(training_text(seed), trainer=trainer)
+    missing = fill_to - tokenizer.get_vocab_size(with_added_tokens=True)
+    if missing > 0:
+        tokenizer.add_special_tokens([f"<|reserved_{i}|>" for i in range(missing)])
+    return tokenizer
+
+
+def tokenizer_config(model_max_length: int) -> dict:
+    """The fields transformers' PreTrainedTokenizerFast (and so vLLM) reads beside tokenizer.json."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": BOS,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def make_model(preset: str, out: str | Path, seed: int = 0) -> Path:
+    """Write the preset's folder into `out` (created if needed) and return it."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}: use one of {', '.join(PRESETS)}")
+    p, out = PRESETS[preset], Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    fill = p.vocab_size if p.tokenizer_vocab >= p.vocab_size else 0
+    tokenizer = train_tokenizer(p.tokenizer_vocab, fill, seed)
+    tokenizer.save(str(out / "tokenizer.json"))
+    bos_id, eos_id = tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOS)
+    config = hf_config(p, bos_id, eos_id)
+    write_json(out / "config.json", config)
+    write_json(out / "tokenizer_config.json", tokenizer_config(p.max_position))
+    write_json(out / "special_tokens_map.json", {"bos_token": BOS, "eos_token": EOS, "pad_token": BOS})
+    write_json(out / "generation_config.json",
+               {"bos_token_id": bos_id, "eos_token_id": [eos_id, bos_id], "do_sample": False})
+    if p.weights_dtype is not None:
+        dtype = getattr(torch, p.weights_dtype)
+        state = dummy_state_dict(ModelConfig.from_hf(config), seed, "cpu", dtype)
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

@@ -1,0 +1,79 @@
+"""The model on its device and the paged KV cache it reads and writes: sizes the cache, runs prefill/decode steps."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvshare.engine.config import EngineConfig, ModelConfig
+from kvshare.engine.model import Rotary
+from kvshare.engine.sequence import Sequence
+from kvshare.engine.weights import load_model
+from kvshare.units import format_size
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 2 << 30  # at most; the default is 4 max-length sequences' worth, capped here
+
+
+class ModelRunner:
+    """Owns the weights and `kv_caches`: per layer one tensor [num_blocks, 2, block_size, num_kv_heads, head_dim],
+    allocated once; blocks are addressed only through the block manager's ids."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig):
+        self.config = config
+        self.model_config = model_config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.model = load_model(config.model, config.load_format, self.device, self.dtype, config.seed)
+        self.rotary = Rotary(model_config, self.device, self.dtype)
+        self.num_blocks = self._num_blocks()
+        shape = (self.num_blocks, 2, config.block_size, model_config.num_kv_heads, model_config.head_dim)
+        self.kv_caches = [torch.zeros(shape, device=self.device, dtype=self.dtype)
+                          for _ in range(model_config.num_layers)]
+        log.info("KV cache: %d blocks of %d tokens (%s) on %s", self.num_blocks, config.block_size,
+                 format_size(self.num_blocks * self.block_bytes), self.device)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers."""
+        return self.config.block_size * self.model_config.kv_bytes_per_token(self.dtype)
+
+    def _num_blocks(self) -> int:
+        c, m = self.config, self.model_config
+        if c.num_blocks is not None:
+            return c.num_blocks
+        if c.kv_cache_memory is not None:
+            budget = c.kv_cache_memory
+        elif self.device.type == "cuda":
+            budget = torch.cuda.mem_get_info(self.device)[0] - self._activation_reserve()
+        else:
+            max_len = c.max_model_len or m.max_position
+            budget = min(CPU_DEFAULT_KV_BYTES, 4 * max_len * m.kv_bytes_per_token(self.dtype))
+        num_blocks = budget // self.block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"no room for a KV cache ({format_size(budget)}): pass --num-blocks or --kv-cache-memory")
+        return int(num_blocks)
+
+    def _activation_reserve(self) -> int:
+        """Device memory to leave free for a max-length prefill: hidden states and q/attention output over the
+        whole sequence, one chunk's MLP, the expanded K/V of one attention group, plus 2 GiB of slack."""
+        c, m, e = self.config, self.model_config, self.dtype.itemsize
+        length = c.max_model_len or m.max_position
+        sequence = length * (m.hidden_size + m.num_heads * m.head_dim) * e
+        chunk = c.prefill_chunk * (3 * m.intermediate_size + 2 * m.hidden_size) * e
+        return sequence + chunk + (1 << 30) + (2 << 30)
+
+    def prefill(self, seq: Sequence) -> torch.Tensor:
+        """Compute K/V of seq's tokens [num_computed, num_tokens); logits of the last one (1, vocab)."""
+        tokens = torch.tensor(seq.token_ids[seq.num_computed :], device=self.device)
+        table = torch.tensor(seq.block_table, device=self.device)
+        return self.model.prefill(tokens, seq.num_computed, self.kv_caches, table, self.rotary,
+                                  self.config.prefill_chunk)
+
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One step for each sequence's newest token; logits (B, vocab)."""
+        tokens = torch.tensor([s.token_ids[-1] for s in seqs], device=self.device)
+        tables = [torch.tensor(s.block_table, device=self.device) for s in seqs]
+        return self.model.decode(tokens, [s.num_tokens - 1 for s in seqs], self.kv_caches, tables, self.rotary)

@@ -1,0 +1,80 @@
+"""The engine's side of the KV connector: when to look up, load and store, with every connector failure (including
+an exception, which the protocol forbids but a bug may raise) turned into a miss so the request never fails (I7)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from kvshare.engine.api import KVConnector, StoreHandle
+from kvshare.engine.block_manager import BlockManager
+from kvshare.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class PoolHooks:
+    """Invariant: blocks named by a StoreHandle that is not done() have an extra hold in the block manager, so they
+    are neither freed nor reused until the store has read them (I4)."""
+
+    def __init__(self, connector: KVConnector, block_manager: BlockManager):
+        self.connector = connector
+        self.block_manager = block_manager
+        self.pending: list[tuple[StoreHandle, list[int]]] = []
+        self.errors = 0
+        self._logged: set[str] = set()
+
+    def _guard(self, what: str, call: Callable, default):
+        try:
+            return call()
+        except Exception as error:  # noqa: BLE001 - any connector failure is a miss, never a failed request
+            self.errors += 1
+            if what not in self._logged:
+                self._logged.add(what)
+                log.warning("KV connector %s failed (%r); recomputing instead. Further %s failures are counted, "
+                            "not logged", what, error, what)
+            return default
+
+    def load_prefix(self, seq: Sequence) -> None:
+        """After allocation: load the pool's cached chunks beyond seq.num_computed into seq's blocks, if any."""
+        known = seq.token_ids[: seq.num_tokens - 1]  # at least one token is always computed, for its logits
+        n = self._guard("lookup", lambda: self.connector.lookup(seq.request_id, known, seq.num_computed, seq.salt), 0)
+        if not n or n < 0 or seq.num_computed + n > len(known):
+            if n:
+                self._guard("release", lambda: self.connector.release(seq.request_id), None)
+            return
+        ok = self._guard("load", lambda: self.connector.load(seq.request_id, seq.block_table, seq.num_computed, n),
+                         False)
+        if ok:
+            seq.num_computed += n
+            seq.pool_hit_tokens += 0 if seq.admitted else n
+            seq.num_stored = max(seq.num_stored, seq.num_computed)
+
+    def store(self, seq: Sequence, num_tokens: int) -> None:
+        """Store the full chunks of seq's first num_tokens tokens (whose K/V exists) not yet in the pool."""
+        chunk = self.connector.chunk_tokens
+        if (num_tokens // chunk) * chunk <= seq.num_stored:
+            return
+        tokens, blocks = seq.token_ids[:num_tokens], list(seq.block_table)
+        handle = self._guard("store", lambda: self.connector.store(seq.request_id, tokens, blocks, seq.num_stored,
+                                                                   seq.salt), None)
+        if handle is None:
+            return
+        seq.num_stored = (num_tokens // chunk) * chunk
+        held = list(handle.block_ids) or blocks
+        if not self._guard("store", handle.done, True):
+            self.block_manager.hold(held)
+            self.pending.append((handle, held))
+
+    def release(self, seq: Sequence) -> None:
+        self._guard("release", lambda: self.connector.release(seq.request_id), None)
+
+    def poll(self) -> None:
+        """Give back the blocks of stores that have completed (a failing done() counts as completed)."""
+        still = []
+        for handle, blocks in self.pending:
+            if self._guard("store", handle.done, True):
+                self.block_manager.release(blocks)
+            else:
+                still.append((handle, blocks))
+        self.pending = still
