@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from kvshare.engine.api import EngineProtocol, GenerationRequest, SamplingParams, TokenEvent, Usage
+from kvshare.engine.api import ConnectorStats, EngineProtocol, GenerationRequest, SamplingParams, TokenEvent, Usage
 from kvshare.engine.detokenize import IncrementalText
 from kvshare.engine.metrics import ServerMetrics
 
@@ -544,17 +544,11 @@ class _Server:
     """What the route handlers share: engine, tokenizer, validator, metrics."""
 
     def __init__(self, engine: EngineProtocol, tokenizer: TokenizerProtocol, model_name: str,
-                 is_alive: Callable[[], bool]) -> None:
+                 is_alive: Callable[[], bool], connector_stats: Callable[[], ConnectorStats | None]) -> None:
         self.engine, self.tokenizer, self.model_name, self.is_alive = engine, tokenizer, model_name, is_alive
         self.validator = _Validator(engine, tokenizer, model_name)
-        self.metrics = ServerMetrics(self._connector_stats)
+        self.metrics = ServerMetrics(connector_stats)
         self.started = int(time.time())
-
-    def _connector_stats(self):
-        # The engine's optional `connector` (set by Engine.set_connector; None with --pool none). Read at scrape
-        # time, so a connector attached after the app was built is still exported.
-        connector = getattr(self.engine, "connector", None)
-        return connector.stats if connector is not None else None
 
     async def completions(self, request: Request) -> Response:
         body = parse_body(CompletionRequest, await request.body())
@@ -626,10 +620,13 @@ class _CountRequests:
 
 
 def create_app(engine: EngineProtocol, tokenizer: TokenizerProtocol, model_name: str, *,
-               is_alive: Callable[[], bool] | None = None) -> FastAPI:
-    """The FastAPI app. `is_alive` answers /health (default: the engine's own `is_alive()` if it has one, else
-    always true while the server answers)."""
-    server = _Server(engine, tokenizer, model_name, is_alive or _default_liveness(engine))
+               is_alive: Callable[[], bool] | None = None,
+               connector_stats: Callable[[], ConnectorStats | None] | None = None) -> FastAPI:
+    """The FastAPI app. `is_alive` answers /health (default: the engine's `is_alive()` if it has one, else true
+    while the server answers); `connector_stats` feeds the kvshare_pool_* metrics at scrape time (default: the
+    stats of the engine's optional `connector` attribute)."""
+    server = _Server(engine, tokenizer, model_name, is_alive or _default_liveness(engine),
+                     connector_stats or (lambda: _engine_connector_stats(engine)))
     app = FastAPI(title="kvshare replica", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
 
@@ -661,19 +658,24 @@ def create_app(engine: EngineProtocol, tokenizer: TokenizerProtocol, model_name:
     return app
 
 
+def _engine_connector_stats(engine: EngineProtocol) -> ConnectorStats | None:
+    # The engine's optional `connector` (None or absent with --pool none), read at every scrape, so a connector
+    # attached after the app was built is still exported.
+    connector = getattr(engine, "connector", None)
+    return connector.stats if connector is not None else None
+
+
 def _default_liveness(engine: EngineProtocol) -> Callable[[], bool]:
     probe = getattr(engine, "is_alive", None)  # optional in EngineProtocol; kvshare's Engine has it
     return probe if callable(probe) else (lambda: True)
 
 
 def serve(engine: EngineProtocol, tokenizer: TokenizerProtocol, *, host: str, port: int, model_name: str,
-          is_alive: Callable[[], bool] | None = None) -> None:
-    """Serves until SIGINT/SIGTERM (blocking), then shuts the engine down."""
+          is_alive: Callable[[], bool] | None = None,
+          connector_stats: Callable[[], ConnectorStats | None] | None = None) -> None:
+    """Serves until SIGINT/SIGTERM (blocking). The caller owns the engine and shuts it down afterwards."""
     import uvicorn
 
-    app = create_app(engine, tokenizer, model_name, is_alive=is_alive)
+    app = create_app(engine, tokenizer, model_name, is_alive=is_alive, connector_stats=connector_stats)
     log.info("serving %s on http://%s:%d", model_name, host, port)
-    try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
-    finally:
-        engine.shutdown()
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

@@ -256,18 +256,6 @@ def test_chat_stream_starts_with_role_then_content(url):
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and chunks[-1]["choices"][0]["delta"] == {}
 
 
-def test_openai_client_streams_chat(url):
-    openai = pytest.importorskip("openai")
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
-    stream = client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "ok"}],
-                                            max_tokens=40, stream=True, stream_options={"include_usage": True})
-    chunks = list(stream)
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == "<user>ok<assistant>"
-    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 8
-    assert [m.id for m in client.models.list()] == ["echo"]
-
-
 # ------------------------------------------------------------------------------------------------ errors
 
 
