@@ -85,7 +85,7 @@ class CudaTransfer(Transfer):
         produced.record(caller)
         if self.options.ordering == "stream":
             self.gather_stream.wait_event(produced)  # I4: read KV only after the kernels that wrote it
-        rows, items = self._prepare(plans, self.gather_stream)
+        rows, items = self._prepare(plans)
         for item in items:
             slot = self._acquire(self.gather_stream)
             with torch.cuda.stream(self.gather_stream):
@@ -114,7 +114,10 @@ class CudaTransfer(Transfer):
         earlier.record(caller)
         if self.options.ordering == "stream":
             self.gather_stream.wait_event(earlier)  # WAR: earlier kernels may still read the destination blocks
-        rows, items = self._prepare(plans, self.copy_stream)
+        rows, items = self._prepare(plans)
+        if self.options.side_delay_cycles:
+            with torch.cuda.stream(self.copy_stream):
+                torch.cuda._sleep(self.options.side_delay_cycles)  # validation only: make the load late
         for item in items:
             slot = self._acquire(self.copy_stream)
             with torch.cuda.stream(self.copy_stream):
@@ -141,11 +144,8 @@ class CudaTransfer(Transfer):
                     view.index_copy_(0, index, units[s - u_start : e - u_start, offset : offset + self.space.run_bytes])
 
     # ---- shared ------------------------------------------------------------------------------------------------
-    def _prepare(self, plans: list[ChunkPlan], first: torch.cuda.Stream) -> tuple[torch.Tensor, list[_Item]]:
+    def _prepare(self, plans: list[ChunkPlan]) -> tuple[torch.Tensor, list[_Item]]:
         """Upload the batch's unit rows and cut it into slot-sized items."""
-        if self.options.side_delay_cycles:
-            with torch.cuda.stream(first):
-                torch.cuda._sleep(self.options.side_delay_cycles)  # validation only: make the side streams late
         items, offset = [], 0
         for chunk in plans:
             for j0 in range(0, len(chunk.pages), self.slot_pages):

@@ -22,8 +22,8 @@ class TransferOptions:
     ordering: "stream" orders every copy after the work it depends on (I4, I5). "none" drops those waits: an
       UNSAFE mode that exists only so `kvshare validate transfer` can show its race test detects the bug.
     staging_bytes / staging_slots: CUDA staging ring, rounded to whole pages (at least one page a slot).
-    side_delay_cycles: validation only: `torch.cuda._sleep` this long on the side streams before each batch, so a
-      consumer that does not wait for a load is caught reading poison.
+    side_delay_cycles: validation only: `torch.cuda._sleep` this long on the copy stream before each load, so a
+      consumer that does not wait for the load is caught reading poison.
     """
 
     ordering: Ordering = "stream"

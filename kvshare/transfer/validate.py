@@ -156,12 +156,11 @@ def _one_trial(t: _Trial, result: ModeResult) -> None:
     handle.wait()
     _synchronize(config.device)
     expected = [_reference_pack(t.kv_bytes, sources[i]) for i in range(n)]
-    checksums = []
+    checksums, stored = [], [_stored_bytes(t, refs[i].pages, nbytes) for i in range(n)]
     for i in range(n):
-        stored = _stored_bytes(t, refs[i].pages, nbytes)
-        result.store_mismatches += int(not np.array_equal(stored, expected[i]))
+        result.store_mismatches += int(not np.array_equal(stored[i], expected[i]))
         checksums.append(t.transfer.checksum(refs[i].pages, nbytes))
-        result.checksum_mismatches += int(checksums[i] != xxhash.xxh3_64_intdigest(expected[i]))
+        result.checksum_mismatches += int(checksums[i] != xxhash.xxh3_64_intdigest(stored[i]))
     t.client.commit(reservation.lease, checksums)
 
     # ---- load into poisoned, different blocks, racing the consumer -----------------------------------------------
@@ -179,8 +178,8 @@ def _one_trial(t: _Trial, result: ModeResult) -> None:
         seen = t.kv_bytes[:, torch.from_numpy(targets.reshape(-1)).to(config.device)].clone()  # the consumer reads
         _synchronize(config.device)
         seen = seen.cpu().numpy().reshape(layout.num_layers, n, bpc, layout.block_bytes)
-        for i in range(n):
-            want = expected[i].reshape(layout.num_layers, bpc, layout.block_bytes)
+        for i in range(n):  # against what the pool holds, so a stale store cannot pass for a load race
+            want = stored[i].reshape(layout.num_layers, bpc, layout.block_bytes)
             result.load_mismatches += int(not np.array_equal(seen[:, i, 1:], want[:, 1:]))
             result.skip_violations += int(not np.all(seen[:, i, 0] == POISON))
     finally:

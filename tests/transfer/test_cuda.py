@@ -1,0 +1,88 @@
+"""CUDA ordering (I4, I5): stores under a delayed producer and loads under a delayed side stream are exact with
+ordering="stream" and wrong with ordering="none" (so these tests can fail). Skipped without CUDA."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvshare.transfer import KINDS, SKIP, KVLayout, LoadJob, StoreJob, TransferOptions, make_transfer
+from tests.transfer.conftest import make_kv, reference_chunk
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+SLEEP = 50_000_000  # ~25 ms of GPU time: far longer than the copies below
+PAGE = 64 << 10
+
+
+def _setup(arena, ordering, kind="packed_kv", delay=0, fused=True):
+    layout = KVLayout(4, 64, 16, 2, 64, torch.bfloat16, kind=kind)  # 8 KiB blocks, 8 units a page
+    layers = make_kv(layout, device="cuda", fused=fused)
+    pages = arena(64, PAGE)
+    options = TransferOptions(ordering=ordering, side_delay_cycles=delay, staging_bytes=2 * PAGE)
+    return layout, layers, pages, make_transfer(layout, layers, pages, options=options)
+
+
+def _stored(layout, pages, page_ids, bpc):
+    nbytes = layout.chunk_nbytes(bpc * layout.block_size, PAGE)
+    used = layout.units_per_page(PAGE) * layout.block_bytes
+    return np.concatenate([pages[p, : min(used, nbytes - k * PAGE)].numpy() for k, p in enumerate(page_ids)])
+
+
+def _store_under_delay(arena, ordering):
+    layout, layers, pages, transfer = _setup(arena, ordering)
+    blocks, page_ids = list(range(8)), list(range(4))  # 8 blocks x 4 layers = 32 units = 4 pages
+    fresh = [torch.randint(0, 256, (8, layout.block_bytes), dtype=torch.uint8, device="cuda") for _ in layers]
+    torch.cuda._sleep(SLEEP)  # the producer is late ...
+    for layer, data in zip(layers, fresh):
+        layer.view(torch.uint8).view(layout.num_blocks, -1)[:8] = data  # ... writing the KV the store reads
+    transfer.store([StoreJob(blocks, page_ids)]).wait()
+    torch.cuda.synchronize()
+    return np.array_equal(_stored(layout, pages, page_ids, 8), reference_chunk(layout, layers, blocks))
+
+
+def _load_under_delay(arena, ordering):
+    layout, layers, pages, transfer = _setup(arena, ordering, delay=SLEEP)
+    torch.cuda.synchronize()  # the KV is written before this store even with ordering="none"
+    transfer.store([StoreJob(list(range(8)), list(range(4)))]).wait()
+    targets = list(range(32, 40))
+    for layer in layers:
+        layer.view(torch.uint8).view(layout.num_blocks, -1)[32:40] = 0xA5  # poison
+    transfer.load([LoadJob(list(range(4)), [SKIP] + targets[1:])])
+    seen = [layer.view(torch.uint8).view(layout.num_blocks, -1)[32:40].clone() for layer in layers]  # consumer
+    torch.cuda.synchronize()
+    want = [layer.view(torch.uint8).view(layout.num_blocks, -1)[:8] for layer in layers]
+    loaded = all(torch.equal(s[1:], w[1:]) for s, w in zip(seen, want))
+    skipped_kept = all(bool((s[0] == 0xA5).all()) for s in seen)
+    return loaded, skipped_kept
+
+
+def test_store_waits_for_the_producer(arena):
+    assert all(_store_under_delay(arena, "stream") for _ in range(5))
+
+
+def test_store_without_ordering_reads_stale_kv(arena):
+    assert not any(_store_under_delay(arena, "none") for _ in range(3))
+
+
+def test_load_is_ordered_before_the_consumer(arena):
+    for _ in range(5):
+        assert _load_under_delay(arena, "stream") == (True, True)
+
+
+def test_load_without_ordering_is_seen_unfinished(arena):
+    assert not any(_load_under_delay(arena, "none")[0] for _ in range(3))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("fused", [True, False])
+def test_cuda_round_trip_every_kind(arena, kind, fused):
+    layout, layers, pages, transfer = _setup(arena, "stream", kind=kind, fused=fused)
+    rng = np.random.default_rng(1)
+    ids = rng.permutation(layout.num_blocks)[:48].tolist()  # 3 chunks of 8 blocks, stored then loaded elsewhere
+    page_ids = rng.permutation(64)[:12].reshape(3, 4).tolist()
+    transfer.store([StoreJob(ids[c * 8 : (c + 1) * 8], page_ids[c]) for c in range(3)]).wait()
+    for c in range(3):
+        assert np.array_equal(_stored(layout, pages, page_ids[c], 8), reference_chunk(layout, layers, ids[c * 8 : (c + 1) * 8]))
+    transfer.load([LoadJob(page_ids[c], ids[24 + c * 8 : 24 + (c + 1) * 8]) for c in range(3)])
+    for c in range(3):  # no synchronize: the current stream is ordered after the load (I5)
+        assert np.array_equal(reference_chunk(layout, layers, ids[24 + c * 8 : 24 + (c + 1) * 8]),
+                              reference_chunk(layout, layers, ids[c * 8 : (c + 1) * 8]))
