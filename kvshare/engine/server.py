@@ -17,14 +17,15 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, Protocol, Sequence
 
 import msgspec
-import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from kvshare.engine.api import ConnectorStats, EngineProtocol, GenerationRequest, SamplingParams, TokenEvent, Usage
 from kvshare.engine.detokenize import IncrementalText
 from kvshare.engine.metrics import ServerMetrics
+from kvshare.engine.openai_schema import (ApiError, ChatMessage, ChatRequest, Chunk, CompletionRequest, Delta,
+                                          DeltaChoice, Message, MessageChoice, SamplingFields, TextChoice, UsageBody,
+                                          Whole, hits_of, parse_body)
 
 log = logging.getLogger(__name__)
 
@@ -42,90 +43,6 @@ class TokenizerProtocol(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def apply_chat_template(self, messages: list[dict]) -> str: ...
-
-
-# ---------------------------------------------------------------- requests (OpenAI's schema, the fields we serve)
-
-
-class _Strict(BaseModel):
-    # strict: "5" is not an int and 1 is not a bool (wrong types are errors, not guesses); unknown fields that
-    # OpenAI clients send (presence_penalty, logprobs=null, ...) are ignored.
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class StreamOptions(_Strict):
-    include_usage: StrictBool = False
-
-
-class _SamplingFields(_Strict):
-    model: StrictStr | None = None  # optional: a single-model server serves its model
-    max_tokens: StrictInt | None = None
-    temperature: StrictFloat = 0.0  # greedy unless asked (OpenAI's default is 1; benchmarks always set it)
-    top_p: StrictFloat = 1.0
-    seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[StrictInt] | None = None
-    ignore_eos: StrictBool = False
-    n: StrictInt = 1
-    stream: StrictBool = False
-    stream_options: StreamOptions | None = None
-    user: StrictStr | None = None  # accepted for session routing upstream; no effect here
-    cache_salt: StrictStr | None = None  # vLLM's field: requests with different salts never share pool chunks
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: StrictStr | list[StrictInt]
-
-
-class TextPart(_Strict):
-    type: StrictStr
-    text: StrictStr | None = None
-
-
-class ChatMessage(_Strict):
-    role: StrictStr
-    content: StrictStr | list[TextPart] | None = None
-
-
-class ChatRequest(_SamplingFields):
-    messages: list[ChatMessage]
-    max_completion_tokens: StrictInt | None = None  # the newer OpenAI name for max_tokens
-
-
-class ApiError(Exception):
-    """An OpenAI-style error: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = "invalid_request_error" if status < 500 else "server_error"
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
-
-
-def parse_body(model: type[_Strict], body: bytes) -> _Strict:
-    """Validates the raw body; malformed JSON -> 400, wrong or missing fields -> 422, both in OpenAI's shape."""
-    try:
-        return model.model_validate_json(body)
-    except pydantic.ValidationError as error:
-        first = error.errors()[0]
-        if first["type"] == "json_invalid":
-            raise ApiError(400, f"request body is not valid JSON ({first['msg']}); send a JSON object") from None
-        if not first["loc"]:
-            raise ApiError(400, f"request body must be a JSON object, got: {first['msg']}") from None
-        raise ApiError(422, _describe(error), param=str(first["loc"][0])) from None
-
-
-def _describe(error: pydantic.ValidationError) -> str:
-    """One readable line per wrong field (a union field's several complaints are joined)."""
-    by_field: dict[str, list[str]] = {}
-    for item in error.errors():
-        # loc like ("prompt", "list[int]", 3): the field, then union members / indexes inside it
-        path = ".".join(str(p) for p in item["loc"] if not (isinstance(p, str) and "[" in p) and p not in ("str",))
-        by_field.setdefault(path or str(item["loc"][0]), []).append(item["msg"])
-    return "; ".join(f"invalid '{field}': " + " or ".join(dict.fromkeys(msgs)) for field, msgs in by_field.items())
 
 
 # ---------------------------------------------------------------- validated request -> engine request
@@ -176,7 +93,7 @@ class _Validator:
                                 "prompt or lower max_tokens", param="max_tokens", code="context_length_exceeded")
         return asked
 
-    def sampling(self, body: _SamplingFields, prompt_len: int, max_tokens: int | None, default: int | None
+    def sampling(self, body: SamplingFields, prompt_len: int, max_tokens: int | None, default: int | None
                  ) -> SamplingParams:
         if body.n != 1:
             raise ApiError(400, f"n={body.n} is not supported; send n=1 (one choice per request)", param="n")
@@ -213,7 +130,7 @@ class _Validator:
             raise ApiError(400, "the chat template rendered an empty prompt", param="messages")
         return ids
 
-    def prepare(self, body: _SamplingFields, prompt_ids: list[int], max_tokens: int | None, default: int | None,
+    def prepare(self, body: SamplingFields, prompt_ids: list[int], max_tokens: int | None, default: int | None,
                 prefix: str) -> Prepared:
         sampling = self.sampling(body, len(prompt_ids), max_tokens, default)
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
@@ -348,88 +265,6 @@ def _final_usage(usage: Usage | None, prepared: Prepared, accepted: int, cut: bo
     return usage
 
 
-# ---------------------------------------------------------------- response bodies (OpenAI's shapes)
-
-
-class KVShareHits(msgspec.Struct):
-    local_hit_tokens: int
-    pool_hit_tokens: int
-
-
-class PromptTokensDetails(msgspec.Struct):
-    cached_tokens: int
-
-
-class UsageBody(msgspec.Struct):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-    kvshare: KVShareHits
-
-    @classmethod
-    def of(cls, usage: Usage) -> "UsageBody":
-        return cls(usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens + usage.completion_tokens,
-                   PromptTokensDetails(usage.cached_tokens), _hits(usage))
-
-
-def _hits(usage: Usage) -> KVShareHits:
-    return KVShareHits(usage.local_hit_tokens, usage.pool_hit_tokens)
-
-
-class TextChoice(msgspec.Struct):
-    index: int
-    text: str
-    finish_reason: str | None
-    logprobs: None = None
-
-
-class Delta(msgspec.Struct, omit_defaults=True):
-    role: str | None = None
-    content: str | None = None
-
-
-class DeltaChoice(msgspec.Struct):
-    index: int
-    delta: Delta
-    finish_reason: str | None
-    logprobs: None = None
-
-
-class Message(msgspec.Struct):
-    role: str
-    content: str
-
-
-class MessageChoice(msgspec.Struct):
-    index: int
-    message: Message
-    finish_reason: str | None
-    logprobs: None = None
-
-
-class Chunk(msgspec.Struct, omit_defaults=True):
-    """A streamed chunk; `kvshare` rides on the chunk that carries finish_reason, `usage` on the include_usage one."""
-
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list
-    usage: UsageBody | None = None
-    kvshare: KVShareHits | None = None
-
-
-class Whole(msgspec.Struct):
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list
-    usage: UsageBody
-    kvshare: KVShareHits
-
-
 _encoder = msgspec.json.Encoder()
 
 
@@ -458,7 +293,7 @@ class _Format:
 
     def whole(self, text: str, finish_reason: str, usage: Usage) -> Whole:
         return Whole(self.id, self.object_whole, self.created, self.model, [self.whole_choice(text, finish_reason)],
-                     UsageBody.of(usage), _hits(usage))
+                     UsageBody.of(usage), hits_of(usage))
 
 
 class _CompletionFormat(_Format):
@@ -498,7 +333,7 @@ async def _sse_stream(pieces: AsyncIterator[Piece], fmt: _Format, include_usage:
             if piece.text:
                 yield _sse(fmt.chunk([fmt.delta(piece.text)]))
             if piece.finish_reason is not None:
-                hits = _hits(piece.usage) if piece.usage else None
+                hits = hits_of(piece.usage) if piece.usage else None
                 yield _sse(fmt.chunk([fmt.delta("", piece.finish_reason)], kvshare=hits))
                 if include_usage and piece.usage is not None:
                     yield _sse(fmt.chunk([], usage=UsageBody.of(piece.usage)))

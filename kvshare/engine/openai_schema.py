@@ -1,0 +1,176 @@
+"""OpenAI's wire format, the part kvshare serves: request models (strict pydantic), response bodies (msgspec structs),
+and errors in OpenAI's `{"error": {"message", "type", "param", "code"}}` shape."""
+
+from __future__ import annotations
+
+import msgspec
+import pydantic
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from kvshare.engine.api import Usage
+
+# ---------------------------------------------------------------- requests (OpenAI's schema, the fields we serve)
+
+
+class Strict(BaseModel):
+    # strict: "5" is not an int and 1 is not a bool (wrong types are errors, not guesses); unknown fields that
+    # OpenAI clients send (presence_penalty, logprobs=null, ...) are ignored.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(Strict):
+    include_usage: StrictBool = False
+
+
+class SamplingFields(Strict):
+    model: StrictStr | None = None  # optional: a single-model server serves its model
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat = 0.0  # greedy unless asked (OpenAI's default is 1; benchmarks always set it)
+    top_p: StrictFloat = 1.0
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool = False
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None  # accepted for session routing upstream; no effect here
+    cache_salt: StrictStr | None = None  # vLLM's field: requests with different salts never share pool chunks
+
+
+class CompletionRequest(SamplingFields):
+    prompt: StrictStr | list[StrictInt]
+
+
+class TextPart(Strict):
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class ChatMessage(Strict):
+    role: StrictStr
+    content: StrictStr | list[TextPart] | None = None
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: StrictInt | None = None  # the newer OpenAI name for max_tokens
+
+
+class ApiError(Exception):
+    """An OpenAI-style error: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = "invalid_request_error" if status < 500 else "server_error"
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+def parse_body(model: type[Strict], body: bytes) -> Strict:
+    """Validates the raw body; malformed JSON -> 400, wrong or missing fields -> 422, both in OpenAI's shape."""
+    try:
+        return model.model_validate_json(body)
+    except pydantic.ValidationError as error:
+        first = error.errors()[0]
+        if first["type"] == "json_invalid":
+            raise ApiError(400, f"request body is not valid JSON ({first['msg']}); send a JSON object") from None
+        if not first["loc"]:
+            raise ApiError(400, f"request body must be a JSON object, got: {first['msg']}") from None
+        raise ApiError(422, _describe(error), param=str(first["loc"][0])) from None
+
+
+def _describe(error: pydantic.ValidationError) -> str:
+    """One readable line per wrong field (a union field's several complaints are joined)."""
+    by_field: dict[str, list[str]] = {}
+    for item in error.errors():
+        # loc like ("prompt", "list[int]", 3): the field, then union members / indexes inside it
+        path = ".".join(str(p) for p in item["loc"] if not (isinstance(p, str) and "[" in p) and p not in ("str",))
+        by_field.setdefault(path or str(item["loc"][0]), []).append(item["msg"])
+    return "; ".join(f"invalid '{field}': " + " or ".join(dict.fromkeys(msgs)) for field, msgs in by_field.items())
+
+
+# ---------------------------------------------------------------- response bodies (OpenAI's shapes)
+
+
+class KVShareHits(msgspec.Struct):
+    local_hit_tokens: int
+    pool_hit_tokens: int
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int
+
+
+class UsageBody(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+    kvshare: KVShareHits
+
+    @classmethod
+    def of(cls, usage: Usage) -> "UsageBody":
+        return cls(usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens + usage.completion_tokens,
+                   PromptTokensDetails(usage.cached_tokens), hits_of(usage))
+
+
+def hits_of(usage: Usage) -> KVShareHits:
+    return KVShareHits(usage.local_hit_tokens, usage.pool_hit_tokens)
+
+
+class TextChoice(msgspec.Struct):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class Delta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class DeltaChoice(msgspec.Struct):
+    index: int
+    delta: Delta
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class Message(msgspec.Struct):
+    role: str
+    content: str
+
+
+class MessageChoice(msgspec.Struct):
+    index: int
+    message: Message
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class Chunk(msgspec.Struct, omit_defaults=True):
+    """A streamed chunk; `kvshare` rides on the chunk that carries finish_reason, `usage` on the include_usage one."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list
+    usage: UsageBody | None = None
+    kvshare: KVShareHits | None = None
+
+
+class Whole(msgspec.Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list
+    usage: UsageBody
+    kvshare: KVShareHits
