@@ -153,9 +153,12 @@ class CudaTransfer(Transfer):
             offset += len(chunk.rows)
         host_rows = np.concatenate([chunk.rows for chunk in plans]) if plans else np.zeros(0, np.int64)
         # Allocated while gather_stream is current, the only stream that reads it: its memory is then recycled
-        # only after that stream's queued gathers/scatters (the allocator orders reuse per stream).
+        # only after that stream's queued gathers/scatters (the allocator orders reuse per stream). The upload is
+        # from pinned memory and non-blocking: a blocking copy would synchronize gather_stream, i.e. make the host
+        # wait for the producer's kernels (store) or for earlier batches; the pinned buffer is kept by the caching
+        # host allocator until the copy has run.
         with torch.cuda.stream(self.gather_stream):
-            rows = torch.from_numpy(host_rows).to(self.device)
+            rows = torch.from_numpy(host_rows).pin_memory().to(self.device, non_blocking=True)
         return rows, items
 
     def _copy_pages(self, item: _Item, slot: _Slot, to_host: bool) -> None:
