@@ -2,8 +2,9 @@
 
 /* Eviction policy
  * ---------------
- * The pool keeps committed chunks in one LRU list (ChunkIndex.committed, least recently used first). LOOKUP hits
- * touch chunks in *reverse* prefix order (last chunk first), so a prefix's parent is always more recent than its
+ * The pool keeps committed chunks in one LRU list (ChunkIndex.committed, least recently used first). COMMIT
+ * publishes and LOOKUP hits touch chunks in *reverse* prefix order (last chunk first), so a prefix's parent is more
+ * recent than its
  * children: the tail of a long prompt is evicted before its head, and a shortened prefix stays usable. A chunk whose
  * parent was evicted is unreachable (LOOKUP stops at the first miss) and ages out of the LRU like any other.
  *

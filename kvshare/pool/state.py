@@ -111,7 +111,8 @@ class PoolState:
                 f"COMMIT of lease {lease_id} has {len(checksums)} checksums for {len(lease.keys)} reserved chunks",
             )
         self.leases.pop(lease_id)
-        for key, checksum in zip(lease.keys, checksums):
+        # Last chunk first, so each parent ends more recent than its children (see eviction.py).
+        for key, checksum in reversed(list(zip(lease.keys, checksums))):
             entry = self.index.commit(key, checksum)
             self.counters["bytes_committed_total"] += entry.nbytes
 

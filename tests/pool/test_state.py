@@ -1,0 +1,185 @@
+"""PoolState without sockets: LOOKUP/RESERVE/COMMIT/RELEASE semantics, eviction, leases, and churn (hypothesis)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvshare.pool.protocol import ErrorCode, NewChunk
+from kvshare.pool.state import PoolState, RequestError
+from tests.pool.conftest import NS, new_chunks, prompt
+
+PAGE = 4096
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(num_pages: int = 16, **kw) -> PoolState:
+    state = PoolState(num_pages, PAGE, **kw)
+    state.hello(NS, "test")
+    return state
+
+
+def store(state: PoolState, keys, tokens, nbytes: int = PAGE, client: int = 1) -> None:
+    r = state.reserve(client, NS, new_chunks(keys, tokens, nbytes))
+    if r.lease:
+        state.commit(client, r.lease, [7] * sum(c is not None for c in r.chunks))
+    state.check_integrity()
+
+
+def test_reserved_chunks_are_invisible_until_commit():  # I2
+    state = make()
+    keys, tokens = prompt(3)
+    r = state.reserve(1, NS, new_chunks(keys, tokens, PAGE * 2))
+    assert [len(c.pages) for c in r.chunks] == [2, 2, 2]
+    assert state.lookup(2, NS, keys, tokens).chunks == []
+    state.commit(1, r.lease, [1, 2, 3])
+    found = state.lookup(2, NS, keys, tokens)
+    assert [c.checksum for c in found.chunks] == [1, 2, 3]
+    assert [c.pages for c in found.chunks] == [c.pages for c in r.chunks]
+    state.check_integrity()
+
+
+def test_lookup_returns_longest_prefix_and_verifies_tokens():
+    state = make()
+    keys, tokens = prompt(4)
+    store(state, keys[:2], tokens[:2])
+    assert len(state.lookup(1, NS, keys, tokens).chunks) == 2
+    wrong = [tokens[0], tokens[1][:-4] + b"\0\0\0\0"]
+    assert len(state.lookup(1, NS, keys[:2], wrong).chunks) == 1  # a token mismatch is a miss, never a hit
+    assert state.counters["verify_failures"] == 1
+    other_ns = b"o" * 16
+    state.hello(other_ns, "")
+    assert state.lookup(1, other_ns, keys, tokens).chunks == []  # another namespace's chunk: parent differs
+    s = state.stats()
+    assert (s.hit_chunks, s.miss_chunks, s.hit_tokens) == (3, 7, 3 * 16)
+    state.check_integrity()
+
+
+def test_reserve_skips_committed_and_reserved_chunks():
+    state = make()
+    keys, tokens = prompt(3)
+    store(state, keys[:1], tokens[:1])
+    first = state.reserve(1, NS, new_chunks(keys[:2], tokens[:2], PAGE))
+    assert first.chunks[0] is None and first.chunks[1] is not None
+    second = state.reserve(2, NS, new_chunks(keys, tokens, PAGE))
+    assert second.chunks[:2] == [None, None] and second.chunks[2] is not None
+    state.check_integrity()
+
+
+def test_errors_are_typed_and_change_nothing():
+    state = make(num_pages=4)
+    keys, tokens = prompt(2)
+    with pytest.raises(RequestError) as error:
+        state.lookup(1, b"u" * 16, keys, tokens)
+    assert error.value.code == ErrorCode.UNKNOWN_NAMESPACE
+    r = state.reserve(1, NS, new_chunks(keys, tokens, PAGE))
+    with pytest.raises(RequestError) as error:
+        state.commit(2, r.lease, [0, 0])  # another client's lease
+    assert error.value.code == ErrorCode.UNKNOWN_LEASE
+    with pytest.raises(RequestError) as error:
+        state.commit(1, r.lease, [0])  # wrong number of checksums
+    assert error.value.code == ErrorCode.BAD_REQUEST
+    state.commit(1, r.lease, [0, 0])
+    with pytest.raises(RequestError) as error:
+        state.commit(1, r.lease, [0, 0])  # double commit
+    assert error.value.code == ErrorCode.UNKNOWN_LEASE
+    with pytest.raises(RequestError) as error:
+        state.reserve(1, NS, [NewChunk(b"short", NS, b"", 1)])
+    assert error.value.code == ErrorCode.BAD_REQUEST
+    state.check_integrity()
+
+
+def test_eviction_is_lru_skips_leased_chunks_and_keeps_parents():  # I3
+    state = make(num_pages=12, high_watermark=0.75, low_watermark=0.6)
+    a_keys, a_tokens = prompt(4, seed=1)
+    b_keys, b_tokens = prompt(4, seed=2)
+    store(state, a_keys, a_tokens)
+    store(state, b_keys, b_tokens)  # 8 of 10 pages used
+    leased = state.lookup(1, NS, a_keys, a_tokens)  # A is pinned and more recent than B
+    c_keys, c_tokens = prompt(2, seed=3)
+    store(state, c_keys, c_tokens)  # 8 + 2 > 9 pages (high): evict down to 7 used after the allocation
+    assert all(k in state.index.committed for k in a_keys)  # leased: untouched
+    assert b_keys[0] in state.index.committed and b_keys[3] not in state.index.committed  # tail first
+    state.release(1, leased.lease)
+    state.check_integrity()
+
+
+def test_no_space_when_everything_is_leased_and_nothing_leaks():
+    state = make(num_pages=4)
+    keys, tokens = prompt(4)
+    store(state, keys, tokens)
+    lease = state.lookup(1, NS, keys, tokens).lease
+    more, more_tokens = prompt(1, seed=9)
+    with pytest.raises(RequestError) as error:
+        state.reserve(2, NS, new_chunks(more, more_tokens, PAGE))
+    assert error.value.code == ErrorCode.NO_SPACE and "no space" in error.value.message
+    state.release(1, lease)
+    store(state, more, more_tokens)  # now the LRU chunk can go
+    assert state.stats().evictions >= 1
+
+
+def test_leases_expire_and_end_with_their_client():  # I8
+    clock = Clock()
+    state = make(num_pages=8, lease_timeout=5.0, clock=clock)
+    keys, tokens = prompt(2)
+    store(state, keys, tokens)
+    read = state.lookup(1, NS, keys, tokens)
+    write = state.reserve(2, NS, new_chunks(*prompt(2, seed=5), PAGE))
+    clock.now = 4.9
+    assert state.expire() == 0
+    clock.now = 5.0
+    assert state.expire() == 2
+    state.check_integrity()
+    assert state.stats().pages_free == 6 and state.index.committed[keys[0]].readers == 0
+    with pytest.raises(RequestError):
+        state.commit(2, write.lease, [0, 0])
+    state.lookup(3, NS, keys, tokens)
+    state.reserve(3, NS, new_chunks(*prompt(1, seed=6), PAGE))
+    state.drop_client(3)
+    state.check_integrity()
+    assert state.stats().read_leases == state.stats().write_leases == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["reserve", "commit", "abort", "lookup", "release", "expire", "clear"]),
+                          st.integers(0, 30), st.integers(1, 5 * PAGE)), max_size=60))
+def test_random_churn_never_fragments_or_leaks(ops):
+    """Any sequence of requests keeps the books exact, and whenever RESERVE fails for lack of space, the free pages
+    really are fewer than it needed (free pages are always usable, however scattered: no fragmentation)."""
+    clock = Clock()
+    state = make(num_pages=24, lease_timeout=10.0, clock=clock)
+    for op, n, nbytes in ops:
+        keys, tokens = prompt(1 + n % 4, seed=n)
+        writes = [lease for lease in state.leases if lease.kind == "write"]
+        reads = [lease for lease in state.leases if lease.kind == "read"]
+        if op == "reserve":
+            try:
+                state.reserve(n % 3, NS, new_chunks(keys, tokens, nbytes))
+            except RequestError as error:
+                assert error.code == ErrorCode.NO_SPACE
+                assert state.allocator.free_count < (1 + n % 4) * -(-nbytes // PAGE)
+        elif op in ("commit", "abort") and writes:
+            lease = writes[n % len(writes)]
+            if op == "commit":
+                state.commit(lease.client, lease.id, [0] * len(lease.keys))
+            else:
+                state.release(lease.client, lease.id)
+        elif op == "lookup":
+            state.lookup(n % 3, NS, keys, tokens)
+        elif op == "release" and reads:
+            lease = reads[n % len(reads)]
+            state.release(lease.client, lease.id)
+        elif op == "expire":
+            clock.now += n
+            state.expire()
+        elif op == "clear":
+            state.clear()
+        state.check_integrity()
