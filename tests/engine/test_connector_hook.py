@@ -1,0 +1,138 @@
+"""The engine's KV-connector hook with a real in-process connector (a dict of chunk KV shared by engines):
+cross-engine loads give the cache-OFF greedy tokens, Usage reports pool hits, and a failing connector changes
+nothing but the hit counts (I6, I7)."""
+
+from typing import Sequence
+
+import torch
+
+from kvshare.engine.api import ConnectorStats, GenerationRequest, SamplingParams, StoreHandle
+from kvshare.engine.engine import generate
+from kvshare.keys import Namespace, chunk_keys
+
+GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+class DictConnector:
+    """KVConnector storing each full chunk's K|V blocks (every layer) under its chunk key in a shared dict. Stores
+    complete asynchronously: a handle turns done only after `store_delay` polls, exercising the engine's holds."""
+
+    def __init__(self, engine, store: dict, chunk_tokens: int = 32, store_delay: int = 3):
+        self.engine, self.store_dict, self.chunk_tokens, self.store_delay = engine, store, chunk_tokens, store_delay
+        self.stats = ConnectorStats()
+        self.namespace = Namespace(engine.model_fingerprint, str(engine.dtype), "test-layout", chunk_tokens).key
+        self.leases: dict[str, int] = {}
+
+    def _blocks(self, block_ids, chunk_index):
+        per = self.chunk_tokens // self.engine.block_size
+        return torch.tensor(block_ids[chunk_index * per : (chunk_index + 1) * per])
+
+    def lookup(self, request_id, token_ids: Sequence[int], num_computed, salt=""):
+        self.stats.lookups += 1
+        hit = 0
+        for key in chunk_keys(self.namespace, token_ids, self.chunk_tokens):
+            if key not in self.store_dict:
+                break
+            hit += self.chunk_tokens
+        n = max(0, hit - num_computed)
+        self.leases[request_id] = n
+        self.stats.lookup_hit_tokens += n
+        return n
+
+    def load(self, request_id, block_ids, num_computed, num_tokens):
+        del self.leases[request_id]
+        keys = chunk_keys(self.namespace, self.tokens_of[request_id], self.chunk_tokens)
+        bs = self.engine.block_size
+        for c in range(num_computed // self.chunk_tokens, (num_computed + num_tokens) // self.chunk_tokens):
+            blocks = self._blocks(block_ids, c)
+            first = max(0, (num_computed - c * self.chunk_tokens) // bs)  # blocks already computed stay untouched
+            for cache, saved in zip(self.engine.kv_caches, self.store_dict[keys[c]]):
+                cache[blocks[first:]] = saved[first:]
+        self.stats.loads += 1
+        return True
+
+    def release(self, request_id):
+        self.leases.pop(request_id, None)
+
+    def store(self, request_id, token_ids, block_ids, num_stored, salt=""):
+        keys = chunk_keys(self.namespace, token_ids, self.chunk_tokens)
+        for c in range(num_stored // self.chunk_tokens, len(keys)):
+            if keys[c] not in self.store_dict:
+                blocks = self._blocks(block_ids, c)
+                self.store_dict[keys[c]] = [cache[blocks].clone() for cache in self.engine.kv_caches]
+                self.stats.stores += 1
+        polls = iter(range(self.store_delay, -1, -1))
+        return StoreHandle(is_done=lambda: next(polls, 0) == 0, block_ids=tuple(block_ids))
+
+
+class RecordingDictConnector(DictConnector):
+    """load() needs the request's tokens to name chunks; a real connector keeps them from lookup, so does this."""
+
+    def lookup(self, request_id, token_ids, num_computed, salt=""):
+        self.tokens_of = getattr(self, "tokens_of", {})
+        self.tokens_of[request_id] = list(token_ids)
+        return super().lookup(request_id, token_ids, num_computed, salt)
+
+
+class BrokenConnector(RecordingDictConnector):
+    """A pool that fails on every call (as a crashed pool would, if the connector let exceptions through)."""
+
+    def lookup(self, *args, **kwargs):
+        raise ConnectionError("pool is gone")
+
+    def store(self, *args, **kwargs):
+        raise ConnectionError("pool is gone")
+
+
+def prompt(n, offset=0):
+    return tuple((11 * i + offset) % 1000 + 3 for i in range(n))
+
+
+def test_cross_engine_pool_hits_give_identical_tokens(make_engine):
+    pool: dict = {}
+    a, b, c, off = make_engine(), make_engine(), make_engine(), make_engine()
+    for engine in (a, b, c):
+        engine.set_connector(RecordingDictConnector(engine, pool))
+    p = prompt(100)
+    (first,) = generate(a, [GenerationRequest("a1", p, GREEDY)])
+    assert first.finished.usage.pool_hit_tokens == 0
+    (cross,) = generate(b, [GenerationRequest("b1", p, GREEDY)])
+    (expected,) = generate(off, [GenerationRequest("off1", p, GREEDY)])
+    assert cross.token_ids == expected.token_ids == first.token_ids
+    assert cross.finished.usage.pool_hit_tokens == 96 and cross.finished.usage.local_hit_tokens == 0
+
+    # Multi-turn on the other engine: chunks completed by A's generated tokens were stored at A's request end.
+    turn2 = p + tuple(first.token_ids) + prompt(7, 3)
+    (hit,) = generate(a, [GenerationRequest("a2", turn2, GREEDY)])  # A has it locally; C must get it from the pool
+    (cross2,) = generate(c, [GenerationRequest("c2", turn2, GREEDY)])
+    (expected2,) = generate(off, [GenerationRequest("off2", turn2, GREEDY)])
+    assert cross2.token_ids == expected2.token_ids == hit.token_ids
+    usage = cross2.finished.usage
+    assert usage.cached_tokens == (len(p) + len(first.token_ids)) // 32 * 32
+    assert usage.local_hit_tokens == 0 and usage.pool_hit_tokens == usage.cached_tokens
+    assert hit.finished.usage.local_hit_tokens == (len(p) + len(first.token_ids) - 1) // 16 * 16
+
+    # A local hit extended from the pool: B holds 128 tokens of turn3 locally (its own first answer).
+    turn3 = turn2 + tuple(hit.token_ids) + prompt(5, 9)
+    (cross3,) = generate(b, [GenerationRequest("b3", turn3, GREEDY)])
+    (expected3,) = generate(off, [GenerationRequest("off3", turn3, GREEDY)])
+    assert cross3.token_ids == expected3.token_ids
+    assert cross3.finished.usage.local_hit_tokens == 128 and cross3.finished.usage.pool_hit_tokens > 0
+
+    for engine in (a, b, c):  # every store completed and gave its blocks back
+        for _ in range(50):
+            if not engine.pool.pending:
+                break
+            engine.step()
+        engine.block_manager.check_integrity()
+        assert engine.block_manager.num_free == engine.num_blocks
+
+
+def test_failing_connector_changes_nothing(make_engine):
+    broken, off = make_engine(), make_engine()
+    broken.set_connector(BrokenConnector(broken, {}))
+    p = prompt(80, 1)
+    (got,) = generate(broken, [GenerationRequest("x", p, GREEDY)])
+    (expected,) = generate(off, [GenerationRequest("y", p, GREEDY)])
+    assert got.token_ids == expected.token_ids and got.finished.finish_reason == "length"
+    assert got.finished.usage.pool_hit_tokens == 0 and broken.pool.errors >= 2

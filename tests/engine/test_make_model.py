@@ -1,0 +1,64 @@
+"""make-model folders load back: in this engine, in transformers (weights, tokenizer, chat template), and the CLI
+writes them; dummy weights are seeded per tensor; fingerprints tell weight sources apart."""
+
+import json
+
+import pytest
+import torch
+
+from kvshare.cli import main
+from kvshare.engine.config import ModelConfig
+from kvshare.engine.model import Rotary
+from kvshare.engine.tokenizer import Tokenizer
+from kvshare.engine.weights import load_model, model_fingerprint
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there, 42 cats!"}]
+
+
+def test_folder_loads_in_engine_and_transformers(tiny_model):
+    transformers = pytest.importorskip("transformers")
+    ours = load_model(tiny_model, "auto", "cpu", torch.float32)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    tokens = torch.arange(3, 40)
+    caches = [torch.zeros(8, 2, 16, 2, 32) for _ in range(2)]
+    logits = ours.prefill(tokens, 0, caches, torch.arange(8), Rotary(ours.config, torch.device("cpu"),
+                                                                      torch.float32), chunk=16)
+    with torch.no_grad():
+        expected = reference(tokens[None]).logits[0, -1]
+    torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=1e-4)
+
+    tokenizer = Tokenizer.from_dir(tiny_model)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model)
+    text = "The quick brown fox, 1234 times."
+    assert tokenizer.encode(text) == hf_tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert tokenizer.apply_chat_template(MESSAGES) == hf_tokenizer.apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert tokenizer.vocab_size == ModelConfig.from_dir(tiny_model).vocab_size == len(hf_tokenizer)
+    im_end = tokenizer.encode("<|im_end|>")
+    assert len(im_end) == 1 and im_end[0] in tokenizer.eos_token_ids
+
+
+def test_dummy_weights_are_seeded_per_tensor(tiny_model):
+    a = load_model(tiny_model, "dummy", "cpu", torch.bfloat16, seed=1).state_dict()
+    b = load_model(tiny_model, "dummy", "cpu", torch.bfloat16, seed=1).state_dict()
+    c = load_model(tiny_model, "dummy", "cpu", torch.bfloat16, seed=2).state_dict()
+    name = "model.layers.1.self_attn.k_proj.weight"
+    assert all(torch.equal(a[k], b[k]) for k in a) and not torch.equal(a[name], c[name])
+    assert a[name].dtype == torch.bfloat16 and 0.015 < a[name].float().std() < 0.025
+    assert torch.equal(a["model.norm.weight"], torch.ones_like(a["model.norm.weight"]))
+    prints = {model_fingerprint(tiny_model, "dummy", 1), model_fingerprint(tiny_model, "dummy", 2),
+              model_fingerprint(tiny_model, "auto")}
+    assert len(prints) == 3 and model_fingerprint(tiny_model, "dummy", 1) in prints
+
+
+def test_cli_writes_config_only_32b_preset(tmp_path):
+    assert main(["make-model", "--preset", "qwen2.5-32b", "--out", str(tmp_path / "q")]) == 0
+    config = ModelConfig.from_dir(tmp_path / "q")
+    assert (config.architecture, config.hidden_size, config.num_layers, config.num_heads, config.num_kv_heads,
+            config.head_dim, config.intermediate_size, config.vocab_size, config.qkv_bias, config.max_position) == (
+        "Qwen2ForCausalLM", 5120, 64, 40, 8, 128, 27648, 152064, True, 262144)
+    assert config.rope.theta == 1e6 and not list((tmp_path / "q").glob("*.safetensors"))
+    assert json.loads((tmp_path / "q" / "generation_config.json").read_text())["eos_token_id"]
+    with pytest.raises(FileNotFoundError, match="load-format dummy"):
+        load_model(tmp_path / "q", "auto", "cpu", torch.float32)
