@@ -54,6 +54,7 @@ class Outcome:
 def run_plan(plan: Plan, make_deployment: Callable[[], Deployment], codec: Codec, command: str,
              quiet: bool = False) -> Outcome:
     """Run every part of `plan`, then write and print the report (partial when something failed)."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would bury the progress bar
     started, error, description = time.time(), "", "(not started)"
     writer = RowWriter(plan.out_dir / "requests.jsonl")
     deployment = None

@@ -6,6 +6,7 @@ to replica B), so the ON answer on B is computed from KV loaded from the pool, a
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -52,6 +53,7 @@ class ServiceVerdict:
 
 def validate_service(make_deployment: Callable[[], Deployment], codec: Codec, config: ServiceConfig,
                      out_dir: Path) -> ServiceVerdict:
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     answers: dict[str, list[tuple[str, int]]] = {"OFF": [], "ON": []}
     error, deployment = "", None
     try:
