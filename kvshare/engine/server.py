@@ -19,6 +19,7 @@ from typing import AsyncIterator, Awaitable, Callable, Protocol, Sequence
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvshare.engine.api import ConnectorStats, EngineProtocol, GenerationRequest, SamplingParams, TokenEvent, Usage
 from kvshare.engine.detokenize import IncrementalText
@@ -131,13 +132,14 @@ class _Validator:
         return ids
 
     def prepare(self, body: SamplingFields, prompt_ids: list[int], max_tokens: int | None, default: int | None,
-                prefix: str) -> Prepared:
+                prefix: str, arrived: float) -> Prepared:
+        """`default`: the completion budget when max_tokens is absent (None: up to the context limit)."""
         sampling = self.sampling(body, len(prompt_ids), max_tokens, default)
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         request = GenerationRequest(request_id=f"{prefix}-{uuid.uuid4().hex}", prompt_ids=tuple(prompt_ids),
                                     sampling=sampling, cache_salt=body.cache_salt or "")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return Prepared(request, tuple(s for s in stop if s), body.stream, include_usage, time.perf_counter())
+        return Prepared(request, tuple(s for s in stop if s), body.stream, include_usage, arrived)
 
 
 def _message_text(message: ChatMessage) -> str:
@@ -385,20 +387,25 @@ class _Server:
         self.metrics = ServerMetrics(connector_stats)
         self.started = int(time.time())
 
+    # Prompts are tokenized and checked in a worker thread: a 256k-token prompt takes long enough that doing it on
+    # the event loop would stall every other stream's tokens meanwhile. TTFT counts from before parsing.
+
     async def completions(self, request: Request) -> Response:
+        arrived = time.perf_counter()
         body = parse_body(CompletionRequest, await request.body())
         self.validator.check_model(body.model)
-        ids = self.validator.completion_prompt(body.prompt)
-        prepared = self.validator.prepare(body, ids, body.max_tokens, default=16, prefix="cmpl")
+        ids = await asyncio.to_thread(self.validator.completion_prompt, body.prompt)
+        prepared = self.validator.prepare(body, ids, body.max_tokens, 16, "cmpl", arrived)
         return await self._respond(request, prepared, _CompletionFormat(prepared.request.request_id,
                                                                         self.model_name), COMPLETIONS)
 
     async def chat(self, request: Request) -> Response:
+        arrived = time.perf_counter()
         body = parse_body(ChatRequest, await request.body())
         self.validator.check_model(body.model)
-        ids = self.validator.chat_prompt(body.messages)
+        ids = await asyncio.to_thread(self.validator.chat_prompt, body.messages)
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        prepared = self.validator.prepare(body, ids, asked, default=None, prefix="chatcmpl")
+        prepared = self.validator.prepare(body, ids, asked, None, "chatcmpl", arrived)
         return await self._respond(request, prepared, _ChatFormat(prepared.request.request_id, self.model_name),
                                    CHAT)
 
@@ -468,6 +475,11 @@ def create_app(engine: EngineProtocol, tokenizer: TokenizerProtocol, model_name:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, error: ApiError) -> JSONResponse:
         return error.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        # unknown paths and wrong methods: OpenAI's error shape too, not FastAPI's {"detail": ...}
+        return ApiError(error.status_code, f"{error.detail}: {request.method} {request.url.path}").response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:

@@ -285,6 +285,7 @@ BAD = [
     Bad("max_tokens zero", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     Bad("negative temperature", "/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
     Bad("n=2", "/v1/completions", {"prompt": "x", "n": 2}, 400, "n=2"),
+    Bad("unknown path", "/v1/embeddings", {"input": "x"}, 404, "/v1/embeddings"),
     Bad("chat no messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
     Bad("chat wrong content", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 422,
         "messages"),
