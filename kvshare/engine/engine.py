@@ -73,6 +73,15 @@ class Engine:
         """Plug in the pool (None: cache OFF). Call before the first request."""
         self.pool = None if connector is None else PoolHooks(connector, self.block_manager)
 
+    @property
+    def connector(self) -> KVConnector | None:
+        """The attached connector (its `stats` feed /metrics), or None with --pool none."""
+        return self.pool.connector if self.pool else None
+
+    def is_alive(self) -> bool:
+        """True while the engine thread runs (answers /health)."""
+        return self._thread.is_alive()
+
     # --- EngineProtocol ------------------------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, callback: EventCallback) -> None:
         with self._lock:
