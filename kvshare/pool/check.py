@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from typing import Callable
 
 import msgspec
 import numpy as np
@@ -33,8 +34,11 @@ class CheckResult(msgspec.Struct):
         return not self.bad_pages and self.pages > 0
 
 
-def check_pool(client: PoolClient, max_pages: int | None = None) -> CheckResult:
-    """Reserve all free pages (at most max_pages) in one-page chunks, write, commit, look up, verify, clear."""
+def check_pool(
+    client: PoolClient, max_pages: int | None = None, corrupt: Callable[[np.ndarray], None] | None = None
+) -> CheckResult:
+    """Reserve all free pages (at most max_pages) in one-page chunks, write, commit, look up, verify, clear.
+    `corrupt(pages)` runs between write and verify: tests use it to prove the check can fail."""
     client.hello(NAMESPACE, "kvshare pool check")
     free = client.stats().pages_free if max_pages is None else max_pages
     tag = os.urandom(8)  # fresh keys per run: a repeated check never skips chunks as already present
@@ -52,6 +56,8 @@ def check_pool(client: PoolClient, max_pages: int | None = None) -> CheckResult:
         np.add(base, np.uint64(page), out=arena[page])
     write_s = time.perf_counter() - started
     client.commit(reservation.lease, [0] * len(pages))
+    if corrupt is not None:
+        corrupt(client.pages)
 
     found = client.lookup(NAMESPACE, keys, [b""] * len(keys))
     bad = [page for page, ref in zip(pages, found.chunks) if ref.pages != [page]]  # the index must agree
