@@ -84,14 +84,25 @@ def parse_body(model: type[Strict], body: bytes) -> Strict:
         raise ApiError(422, _describe(error), param=str(first["loc"][0])) from None
 
 
+_EXPECTED = {
+    "prompt": "a string or a list of token ids",
+    "messages": "a list of {role, content} objects, content a string or a list of text parts",
+    "stop": "a string or a list of strings",
+}
+
+
 def _describe(error: pydantic.ValidationError) -> str:
-    """One readable line per wrong field (a union field's several complaints are joined)."""
+    """One readable clause per wrong field (a union field's several complaints are joined), plus what to send."""
     by_field: dict[str, list[str]] = {}
     for item in error.errors():
-        # loc like ("prompt", "list[int]", 3): the field, then union members / indexes inside it
-        path = ".".join(str(p) for p in item["loc"] if not (isinstance(p, str) and "[" in p) and p not in ("str",))
+        # loc like ("prompt", "list[int]", 3): the field, then union member tags and indexes inside it
+        path = ".".join(str(p) for p in item["loc"] if not (isinstance(p, str) and ("[" in p or p == "str")))
         by_field.setdefault(path or str(item["loc"][0]), []).append(item["msg"])
-    return "; ".join(f"invalid '{field}': " + " or ".join(dict.fromkeys(msgs)) for field, msgs in by_field.items())
+    clauses = []
+    for field, msgs in by_field.items():
+        hint = _EXPECTED.get(field.split(".")[0])
+        clauses.append(f"invalid '{field}': " + " or ".join(dict.fromkeys(msgs)) + (f" (send {hint})" if hint else ""))
+    return "; ".join(clauses)
 
 
 # ---------------------------------------------------------------- response bodies (OpenAI's shapes)
