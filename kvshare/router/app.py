@@ -1,5 +1,5 @@
-"""The router's HTTP app: the proxy route, `/health`, `/metrics`, aggregated `/v1/models`, and the admin endpoints
-that inspect and switch the placement policy at run time."""
+"""The router's HTTP app: every path is proxied except `/health`, `/metrics`, aggregated `/v1/models`, and the admin
+endpoints that inspect and switch the placement policy at run time."""
 
 from __future__ import annotations
 
@@ -17,10 +17,36 @@ from kvshare.router.policies import POLICIES
 from kvshare.router.proxy import Proxy
 from kvshare.router.replicas import ReplicaSet
 
-_PROXIED_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+CONTROL_PATHS = frozenset({"/health", "/metrics", "/v1/models", "/admin/state", "/admin/policy"})
 
 
-def create_app(config: RouterConfig) -> FastAPI:
+class RouterApp:
+    """The ASGI entry point. Control paths (and lifespan) go to the FastAPI app; every other request goes straight to
+    the proxy, so that relaying each SSE chunk skips FastAPI's middleware: the relay is the router's hot path."""
+
+    def __init__(self, control: FastAPI, proxy: Proxy) -> None:
+        self.control = control
+        self.proxy = proxy
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in CONTROL_PATHS:
+            await self.control(scope, receive, send)
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before sending its whole request: nothing to forward
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        query = scope.get("query_string", b"").decode("latin-1")
+        response = await self.proxy.forward(scope["method"], scope["path"], query, headers, bytes(body))
+        await response(scope, receive, send)
+
+
+def create_app(config: RouterConfig) -> RouterApp:
     replicas = ReplicaSet(config.replicas)
     metrics = RouterMetrics()
     proxy = Proxy(config, replicas, metrics)
@@ -41,7 +67,6 @@ def create_app(config: RouterConfig) -> FastAPI:
                 checker.cancel()
 
     app = FastAPI(title="kvshare router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.proxy = proxy
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -72,12 +97,7 @@ def create_app(config: RouterConfig) -> FastAPI:
             return JSONResponse({"error": {"message": message, "type": "invalid_request_error"}}, 400)
         return JSONResponse(router_state(proxy))
 
-    @app.api_route("/{path:path}", methods=_PROXIED_METHODS)
-    async def forward(path: str, request: Request) -> Response:
-        body = await request.body()
-        return await proxy.forward(request.method, "/" + path, request.url.query, dict(request.headers), body)
-
-    return app
+    return RouterApp(app, proxy)
 
 
 def router_state(proxy: Proxy) -> dict:

@@ -46,6 +46,14 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     )
 
 
+def quiet_http_client_logs() -> None:
+    """httpx logs every upstream request at INFO: on the router's hot path that is a log line per request."""
+    import logging
+
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def _route(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -56,6 +64,7 @@ def _route(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         print(f"kvshare route: {error}")
         return 2
+    quiet_http_client_logs()
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning", access_log=False)
     return 0
 
@@ -63,4 +72,5 @@ def _route(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from kvshare.router.bench import run_overhead_bench
 
+    quiet_http_client_logs()
     return run_overhead_bench(args.requests, args.first_token_delay_ms, args.json)
