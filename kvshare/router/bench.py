@@ -99,11 +99,12 @@ def table(result: dict) -> str:
 
 
 def run_overhead_bench(requests: int, first_token_delay_ms: float, json_path: str | None) -> int:
+    load_before = round(os.getloadavg()[0], 2)
     with stub_replica("bench", first_token_delay_ms) as replica, router([replica.url]) as routed:
         result = measure(replica.url, routed.url, requests)
     report = {
         "command": "kvshare bench router-overhead " + shlex.join(sys.argv[3:] if sys.argv[1:3] == ["bench", "router-overhead"] else []),
-        "machine": machine(),
+        "machine": {**machine(), "load_avg_1m_before": load_before},
         "setup": {"requests_per_arm": requests, "warmup_per_arm": WARMUP, "stub_first_token_delay_ms": first_token_delay_ms,
                   "budget_ms": BUDGET_MS, "method": __doc__.split("\n\n", 1)[1].strip()},
         **result,
@@ -123,7 +124,8 @@ def markdown(report: dict, summary: str) -> str:
         "# Router overhead: TTFT through `kvshare route` vs direct (loopback)\n\n"
         f"Command: `{report['command']}`\n\n"
         f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}, {m['system']}, "
-        f"1-minute load average {m['load_avg_1m']} at the end (shared machine).\n\n"
+        f"1-minute load average {m['load_avg_1m_before']} before and {m['load_avg_1m']} after the run "
+        "(a shared machine: other jobs compete for the same cores).\n\n"
         f"{report['setup']['method']}\n\n"
         f"{report['setup']['requests_per_arm']} requests per arm after {report['setup']['warmup_per_arm']} warm-up; "
         f"the stub replica sends its first token {report['setup']['stub_first_token_delay_ms']:g} ms after the "
