@@ -38,7 +38,7 @@ def register(cli) -> None:
     demo.add_argument("--model-dir", type=Path, default=Path(".models/small"),
                       help="model folder (generated with the small preset when absent)")
     demo.add_argument("--out", type=Path, help="output folder (default: bench-results/demo-<time>)")
-    demo.add_argument("--lengths", default="1k,2k")
+    demo.add_argument("--lengths", default="512,1k")
     demo.add_argument("--per-block", type=int, default=2)
     demo.add_argument("--contexts", default="1k")
     demo.add_argument("--threads", type=int, default=1, help="threads per replica (two replicas run at once)")
