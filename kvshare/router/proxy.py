@@ -123,7 +123,7 @@ class Proxy:
         # A live server that answers 5xx stays in rotation (the health check decides), but this request tries
         # another replica; if every replica answers 5xx the client gets the last one untouched.
         try:
-            body = await response.aread()
+            body = b"".join([chunk async for chunk in response.aiter_raw()])  # raw: headers still match the bytes
         except httpx.HTTPError:
             body = b""
         finally:
