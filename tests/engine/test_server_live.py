@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -29,12 +30,13 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("server-live"))
 
 
-@pytest.fixture(scope="module")
-def url(model_dir):
-    """One `kvshare serve` process for the module; stopped (then killed if need be) however the tests end."""
+@contextlib.contextmanager
+def replica(model_dir, *extra: str):
+    """A `kvshare serve` process, healthy on a free loopback port; stopped (then killed if need be) however the
+    test ends."""
     port = free_port()
     cmd = [sys.executable, "-m", "kvshare.cli", "serve", "--model", str(model_dir), "--port", str(port),
-           "--threads", "1", "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", "tiny"]
+           "--threads", "1", "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", "tiny", *extra]
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"
@@ -57,6 +59,12 @@ def url(model_dir):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def url(model_dir):
+    with replica(model_dir) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -142,18 +150,46 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(url, tokenizer):
     assert post(url, "/v1/completions", prompt="still fine", max_tokens=2).status_code == 200
 
 
+def scrape(url: str) -> dict[str, float]:
+    """/metrics as {series: value}."""
+    lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if not line.startswith("#")}
+
+
 def test_metrics_count_requests_and_ttft(url):
-    def scrape() -> dict[str, float]:
-        lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if not line.startswith("#")}
 
     requests = 'kvshare_requests_total{endpoint="/v1/chat/completions",status="200"}'
     ttft = 'kvshare_time_to_first_token_seconds_count{endpoint="/v1/chat/completions"}'
-    before = scrape()
+    before = scrape(url)
     messages = [{"role": "user", "content": "count me"}]
     post(url, "/v1/chat/completions", messages=messages, max_tokens=2)
     stream(url, "/v1/chat/completions", messages=messages, max_tokens=2)
-    after = scrape()
+    after = scrape(url)
     assert after[requests] - before.get(requests, 0) == 2
     assert after[ttft] - before.get(ttft, 0) == 2
     assert after["kvshare_prompt_tokens_total"] > before.get("kvshare_prompt_tokens_total", 0)
+
+
+@pytest.mark.slow  # a pool and two replica processes: ~30 s on 2 cores, mostly start-up
+def test_pool_hits_reach_usage_and_metrics_across_replicas(model_dir, tokenizer):
+    """A prompt served by replica A is stored in the pool; replica B then reports pool hits in usage and pool loads
+    on /metrics, and A's /metrics shows the stores."""
+    from kvshare.pool.testing import start_pool
+
+    prompt = tokenizer.encode("Shared context for two replicas, long enough for several full chunks. " * 6)[:100]
+    with start_pool("64MiB") as (address, _), replica(model_dir, "--pool", address, "--chunk-tokens", "32") as a, \
+            replica(model_dir, "--pool", address, "--chunk-tokens", "32") as b:
+        first = post(a, "/v1/completions", prompt=prompt, max_tokens=2).json()
+        assert first["usage"]["kvshare"]["pool_hit_tokens"] == 0
+        deadline = time.monotonic() + 30  # stores complete after the response: wait for them, boundedly
+        while time.monotonic() < deadline and scrape(a).get("kvshare_pool_stores_total", 0) < 3:
+            time.sleep(0.1)
+        stored = scrape(a)
+        assert stored["kvshare_pool_stores_total"] >= 3 and stored["kvshare_pool_store_bytes_total"] > 0
+        chunks = stream(b, "/v1/completions", prompt=prompt, max_tokens=2, stream_options={"include_usage": True})
+        usage = chunks[-1]["usage"]
+        assert usage["kvshare"]["pool_hit_tokens"] == 96  # 3 full chunks of 32 (at least one token is computed)
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 96
+        assert chunks[-2]["kvshare"] == usage["kvshare"]
+        loaded = scrape(b)
+        assert loaded["kvshare_pool_load_bytes_total"] > 0 and loaded["kvshare_pool_hit_tokens_total"] == 96
