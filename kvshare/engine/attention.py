@@ -68,13 +68,8 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.T
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: list[torch.Tensor], lengths: list[int],
                      scale: float) -> torch.Tensor:
-    """One query per sequence (its newest token) over that sequence's whole K/V; q: (B, num_heads, D) -> same."""
-    out = torch.empty_like(q)
-    num_kv_heads = cache.shape[3]
-    per_kv = q.shape[1] // num_kv_heads
+    """One query per sequence (its newest token, at position length - 1) over that sequence's whole K/V, per KV-head
+    group as in prefill; q: (B, num_heads, D), overwritten with the output and returned."""
     for i, (table, length) in enumerate(zip(block_tables, lengths)):
-        k, v = gather_kv(cache, table, length, slice(None))
-        out[i] = F.scaled_dot_product_attention(
-            q[i, :, None, :][None], _expand(k, per_kv), _expand(v, per_kv), scale=scale
-        )[0, :, 0]
-    return out
+        prefill_attention(q[i : i + 1], cache, table, length - 1, scale)
+    return q
