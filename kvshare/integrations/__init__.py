@@ -1,0 +1,1 @@
+"""Adapters that plug kvshare into inference engines it does not own (vLLM)."""

@@ -1,0 +1,108 @@
+"""`KVShareConnector`: vLLM's KVConnectorBase_V1 hooks, each forwarded to the scheduler half or the worker half."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.outputs import KVConnectorOutput
+
+from kvshare.connector import ConnectorCore
+from kvshare.integrations.vllm import config as cfg
+from kvshare.integrations.vllm.metadata import KVShareMetadata
+from kvshare.integrations.vllm.scheduler import SchedulerSide
+from kvshare.integrations.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.kvshare")  # under vLLM's logger, so its handlers show our lines
+
+
+class KVShareConnector(KVConnectorBase_V1):
+    """Shares full KV chunks between vLLM replicas through a kvshare pool; any pool failure costs only recompute."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        config = cfg.connector_config(vllm_config)
+        layout = cfg.expected_layout(vllm_config, kv_cache_config)
+        core = ConnectorCore(config, cfg.namespace(vllm_config, layout, config.chunk_tokens))
+        self.core = core
+        self._scheduler = SchedulerSide(core, layout.block_size) if role == KVConnectorRole.SCHEDULER else None
+        self._worker = WorkerSide(core, layout) if role == KVConnectorRole.WORKER else None
+        if role == KVConnectorRole.SCHEDULER and self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            log.warning('kv_load_failure_policy is "%s": a failed pool load will fail its request; set '
+                        '"kv_load_failure_policy":"recompute" in --kv-transfer-config to recompute instead',
+                        self._kv_transfer_config.kv_load_failure_policy)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped store is a future miss, never a wrong answer
+
+    # ---- scheduler side ------------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.matched(request, num_computed_tokens), False  # loads are synchronous
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
+        self._scheduler.allocated(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler.build(scheduler_output, self._kv_cache_manager)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput):
+        self._scheduler.worker_reported(connector_output.kv_connector_worker_meta)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.finished(request), None
+
+    # ---- worker side ---------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        self._worker.register(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):
+        self._worker.preempted(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._worker.load(self._metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv already finished every layer
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        return  # whole chunks are stored in wait_for_save, after the forward wrote every layer
+
+    def wait_for_save(self):
+        self._worker.save(self._metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.finished(finished_req_ids) or None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_invalid()
+
+    def build_connector_worker_meta(self):
+        return self._worker.take_loaded()
+
+    def shutdown(self):
+        self.core.close()
+
+    def _metadata(self) -> KVShareMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVShareMetadata), f"unexpected connector metadata {type(meta).__name__}"
+        return meta

@@ -1,0 +1,57 @@
+"""The messages between the connector's scheduler half and its worker half, carried by vLLM every step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+from kvshare.connector import PoolHit
+
+
+class LoadSpec(msgspec.Struct, frozen=True):
+    """Load `hit` into the request's blocks. Tokens [num_computed, num_computed + num_tokens) are what vLLM now
+    counts as computed; blocks below num_computed hold vLLM's own prefix-cache hit and are not written."""
+
+    req_id: str
+    hit: PoolHit
+    block_ids: list[int]  # the request's whole block table
+    num_computed: int  # block-aligned
+    num_tokens: int  # what the scheduler accepted; a load is valid only if the hit covers exactly this
+
+    def block_range(self, block_size: int) -> list[int]:
+        """The blocks this load writes: the ones to recompute if it fails."""
+        first, end = self.num_computed // block_size, -(-(self.num_computed + self.num_tokens) // block_size)
+        return self.block_ids[first:end]
+
+
+class StoreSpec(msgspec.Struct, frozen=True):
+    """Store the full chunks of `token_ids` past the first `num_stored` tokens from `block_ids`.
+
+    Sent in the step whose forward computes the last of those tokens (or later), and run after that forward."""
+
+    req_id: str
+    token_ids: list[int]  # a whole number of chunks
+    block_ids: list[int]  # covering token_ids
+    num_stored: int  # chunk-aligned: chunks below were sent to the worker in an earlier step
+    salt: str = ""
+
+
+@dataclass
+class KVShareMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    stores: list[StoreSpec] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # their blocks are freed: finish their stores first
+
+
+@dataclass
+class KVShareWorkerMetadata(KVConnectorWorkerMetadata):
+    """Requests whose loads ended this step, successfully or not: the scheduler half ends their read leases (a pool
+    lease belongs to the connection that took it, which is the scheduler's)."""
+
+    loaded: list[str] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVShareWorkerMetadata)
+        return KVShareWorkerMetadata(sorted(set(self.loaded) | set(other.loaded)))

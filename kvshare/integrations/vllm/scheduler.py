@@ -1,0 +1,119 @@
+"""The connector's scheduler half: reports pool hits to vLLM's scheduler and plans each step's loads and stores.
+
+Invariants:
+- Reported external tokens are whole chunks the pool holds *now*, under a read lease, beyond vLLM's own prefix
+  hit, and never the last prompt token (vLLM must compute >= 1 token to sample).
+- Every lease taken ends exactly once: when the request is re-queried, when vLLM allocates nothing for it, when
+  it finishes unscheduled, or when the worker reports the load over (the lease belongs to this process's pool
+  connection, so only this half can end it).
+- A request returns delay_free=True from request_finished iff a StoreSpec was ever sent for it; the worker half
+  tracks the same set and reports each one in get_finished once its copies are done (blocks stay alive until then).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.request import Request
+
+from kvshare.connector import ConnectorCore, PoolHit
+from kvshare.integrations.vllm.metadata import KVShareMetadata, KVShareWorkerMetadata, LoadSpec, StoreSpec
+
+log = logging.getLogger("vllm.kvshare")  # under vLLM's logger, so its handlers show our lines
+
+
+@dataclass(frozen=True)
+class _Hit:
+    hit: PoolHit
+    num_computed: int  # vLLM's block-aligned local hit when we looked
+    offered: int  # tokens reported to vLLM
+    accepted: int = 0  # tokens vLLM allocated for (update_state_after_alloc)
+
+
+class SchedulerSide:
+    def __init__(self, core: ConnectorCore, block_size: int):
+        self.core, self.block_size, self.chunk = core, block_size, core.chunk_tokens
+        self._found: dict[str, _Hit] = {}  # leased, waiting for allocation
+        self._to_load: dict[str, _Hit] = {}  # allocated, goes into the next metadata
+        self._loading: dict[str, PoolHit] = {}  # sent to the worker; lease ends when it reports
+        self._requests: dict[str, Request] = {}
+        self._stored: dict[str, int] = {}  # tokens whose chunks were sent for storing
+        self._store_sent: set[str] = set()
+
+    # ---- lookups -------------------------------------------------------------------------------------------
+    def matched(self, request: Request, num_computed: int) -> int:
+        rid = request.request_id
+        self._end(self._found.pop(rid, None))  # a re-query replaces the earlier answer (and its lease)
+        self._requests[rid] = request
+        usable = list(request.all_token_ids[: request.num_tokens - 1])  # leave >= 1 token to compute
+        hit = self.core.find(usable, num_computed, salt=request.cache_salt or "")
+        if hit is None:
+            return 0
+        offered = (hit.first_chunk + hit.num_chunks) * self.chunk - num_computed
+        self._found[rid] = _Hit(hit, num_computed, offered)
+        return offered
+
+    def allocated(self, request: Request, num_external_tokens: int) -> None:
+        found = self._found.pop(request.request_id, None)
+        if found is None:
+            return
+        if num_external_tokens == 0:
+            self._end(found)
+        else:
+            self._to_load[request.request_id] = replace(found, accepted=num_external_tokens)
+
+    def worker_reported(self, meta: KVShareWorkerMetadata | None) -> None:
+        for rid in meta.loaded if meta else ():
+            hit = self._loading.pop(rid, None)
+            if hit is not None:
+                self.core.release_hit(hit)
+
+    # ---- the step's plan -----------------------------------------------------------------------------------
+    def build(self, output: SchedulerOutput, kv_cache_manager: KVCacheManager) -> KVShareMetadata:
+        meta = KVShareMetadata(preempted=sorted(output.preempted_req_ids or ()))
+        for rid, found in self._to_load.items():
+            blocks = list(kv_cache_manager.get_block_ids(rid)[0])
+            meta.loads.append(LoadSpec(rid, found.hit, blocks, found.num_computed, found.accepted))
+            self._loading[rid] = found.hit
+        self._to_load.clear()
+        for rid, scheduled in output.num_scheduled_tokens.items():
+            spec = self._store_spec(rid, scheduled, kv_cache_manager)
+            if spec is not None:
+                meta.stores.append(spec)
+        return meta
+
+    def _store_spec(self, rid: str, scheduled: int, kv_cache_manager: KVCacheManager) -> StoreSpec | None:
+        request = self._requests.get(rid)
+        if request is None:
+            return None
+        # num_computed_tokens is not yet advanced for this step: after its forward, KV exists up to `computed`.
+        # With async scheduling the newest token may not be known yet, hence the clamp to all_token_ids.
+        computed = min(request.num_computed_tokens + scheduled, request.num_tokens)
+        storable = computed // self.chunk * self.chunk
+        stored = self._stored.get(rid, 0)
+        if storable <= stored:
+            return None
+        self._stored[rid] = storable
+        self._store_sent.add(rid)
+        blocks = list(kv_cache_manager.get_block_ids(rid)[0][: storable // self.block_size])
+        tokens = list(request.all_token_ids[:storable])
+        return StoreSpec(rid, tokens, blocks, stored, request.cache_salt or "")
+
+    # ---- end of a request ----------------------------------------------------------------------------------
+    def finished(self, request: Request) -> bool:
+        """True: vLLM must keep the request's blocks until the worker reports its stores done."""
+        rid = request.request_id
+        self._end(self._found.pop(rid, None))
+        self._end(self._to_load.pop(rid, None))  # finished (aborted) before its load was sent
+        self._requests.pop(rid, None)
+        self._stored.pop(rid, None)
+        delay = rid in self._store_sent
+        self._store_sent.discard(rid)
+        return delay
+
+    def _end(self, found: _Hit | None) -> None:
+        if found is not None:
+            self.core.release_hit(found.hit)
