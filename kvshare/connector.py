@@ -190,17 +190,21 @@ class ConnectorCore:
 
     def _on_connect(self, client) -> None:
         # Called under the link's lock for each new connection: the arena (and so every page view) is new.
-        self._instance = f"{client.arena_path}:{client.instance_id}"
+        # The pool's ATTACH reply carries no instance id yet, so a pool restarted on the same arena path looks like
+        # the same life; the checksum a load verifies (I1) still catches pages that changed under a stale hit.
+        self._instance = client.arena_path
         self._transfer = None
         if self._kv_caches is not None:
             from kvshare.transfer import make_transfer
 
             self._transfer = make_transfer(self._layout, self._kv_caches, client.torch_pages())
 
-    def load(self, hit: PoolHit, block_ids: Sequence[int], num_computed: int) -> bool:
+    def load(self, hit: PoolHit, block_ids: Sequence[int], num_computed: int, release: bool = True) -> bool:
         """Load the hit's chunks into `block_ids` (the request's block table), skipping blocks below num_computed.
 
         Returns True once later work on the current stream is ordered after the copies (I5); False = recompute.
+        release=False leaves the read lease to whoever took it: a lease belongs to one pool connection, and in
+        vLLM the scheduler process (find) and the worker process (load) have different ones.
         """
         started = time.perf_counter()
         try:
@@ -210,7 +214,8 @@ class ConnectorCore:
             ok = False
         finally:
             # The lease ends only here, after _load waited for its copies: until then the pages cannot be evicted.
-            self.release_hit(hit)
+            if release:
+                self.release_hit(hit)
         if ok:
             self.stats.loads += 1
             self.stats.load_bytes += sum(hit.nbytes)
@@ -259,11 +264,16 @@ class ConnectorCore:
         first = num_stored // self.chunk_tokens
         if first >= len(keys) or self._layout is None:
             return None
-        nbytes = self._layout.chunk_bytes(self.chunk_tokens)
         parents = [namespace.key, *keys[:-1]]
-        new = [NewChunk(key=keys[i], parent=parents[i], tokens=tokens[i], nbytes=nbytes) for i in range(first, len(keys))]
+
+        def reserve(client):
+            # The chunk's extent depends on the arena's page size: units never straddle pages (KVLayout.chunk_nbytes).
+            nbytes = self._layout.chunk_nbytes(self.chunk_tokens, client.page_size)
+            new = [NewChunk(key=keys[i], parent=parents[i], tokens=tokens[i], nbytes=nbytes) for i in range(first, len(keys))]
+            return client.reserve(namespace.key, new), self._transfer
+
         started = time.perf_counter()
-        found = self._link.call("reserve", lambda c: (c.reserve(namespace.key, new), self._transfer), namespace)
+        found = self._link.call("reserve", reserve, namespace)
         if found is None:
             return None
         reservation, transfer = found
@@ -345,7 +355,7 @@ class PoolConnector:
     def for_engine(cls, engine, config: ConnectorConfig) -> "PoolConnector":
         from kvshare.transfer import KVLayout
 
-        layout = KVLayout.from_tensors(engine.kv_caches, kind="blocks_kv", block_size=engine.block_size)
+        layout = KVLayout.from_tensors(engine.kv_caches, kind="packed_kv", block_size=engine.block_size)
         namespace = Namespace(
             model_fingerprint=engine.model_fingerprint,
             dtype=str(engine.dtype).removeprefix("torch."),
