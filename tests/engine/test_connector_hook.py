@@ -2,6 +2,8 @@
 cross-engine loads give the cache-OFF greedy tokens, Usage reports pool hits, and a failing connector changes
 nothing but the hit counts (I6, I7)."""
 
+import threading
+import time
 from typing import Sequence
 
 import torch
@@ -84,6 +86,15 @@ class BrokenConnector(RecordingDictConnector):
         raise ConnectionError("pool is gone")
 
 
+def wait_for_stores(engine):
+    """The engine thread gives back a completed store's blocks within its idle period; wait (bounded) for that."""
+    for _ in range(200):
+        if not engine.pool.pending:
+            return
+        time.sleep(0.05)
+    raise TimeoutError("stores still pending after 10 s")
+
+
 def prompt(n, offset=0):
     return tuple((11 * i + offset) % 1000 + 3 for i in range(n))
 
@@ -120,10 +131,7 @@ def test_cross_engine_pool_hits_give_identical_tokens(make_engine):
     assert cross3.finished.usage.local_hit_tokens == 128 and cross3.finished.usage.pool_hit_tokens > 0
 
     for engine in (a, b, c):  # every store completed and gave its blocks back
-        for _ in range(50):
-            if not engine.pool.pending:
-                break
-            engine.step()
+        wait_for_stores(engine)
         engine.block_manager.check_integrity()
         assert engine.block_manager.num_free == engine.num_blocks
 
@@ -136,3 +144,37 @@ def test_failing_connector_changes_nothing(make_engine):
     (expected,) = generate(off, [GenerationRequest("y", p, GREEDY)])
     assert got.token_ids == expected.token_ids and got.finished.finish_reason == "length"
     assert got.finished.usage.pool_hit_tokens == 0 and broken.pool.errors >= 2
+
+
+class GatedConnector(RecordingDictConnector):
+    """Stores stay pending until the test opens the gate, like a slow device-to-host copy."""
+
+    def __init__(self, engine, store):
+        super().__init__(engine, store)
+        self.gate = threading.Event()
+        self.handles = []
+
+    def store(self, request_id, token_ids, block_ids, num_stored, salt=""):
+        super().store(request_id, token_ids, block_ids, num_stored, salt)
+        handle = StoreHandle(is_done=self.gate.is_set, block_ids=tuple(block_ids))
+        self.handles.append(handle)
+        return handle
+
+
+def test_blocks_of_pending_stores_are_not_reused(make_engine):
+    engine = make_engine(num_blocks=16)  # 256 tokens: the second request needs blocks the first one freed
+    connector = GatedConnector(engine, {})
+    engine.set_connector(connector)
+    (first,) = generate(engine, [GenerationRequest("a", prompt(100), SamplingParams(max_tokens=4, ignore_eos=True))])
+    held = set(connector.handles[0].block_ids)
+    assert held and all(engine.block_manager.blocks[b].ref_count > 0 for b in held)
+    # A request needing more than the unheld blocks waits instead of overwriting blocks a store still reads.
+    done = threading.Event()
+    engine.submit(GenerationRequest("b", prompt(200, 5), SamplingParams(max_tokens=2, ignore_eos=True)),
+                  lambda event: event.finished and done.set())
+    assert not done.wait(1.0)
+    connector.gate.set()
+    assert done.wait(60)
+    wait_for_stores(engine)
+    engine.block_manager.check_integrity()
+    assert engine.block_manager.num_free == 16
