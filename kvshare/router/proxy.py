@@ -68,7 +68,11 @@ class Proxy:
         self.policy = make_policy(name, self.config)  # raises ValueError naming the valid ones
         log.info("policy switched to %s", name)
 
-    async def forward(self, method: str, path: str, query: str, headers: dict[str, str], body: bytes) -> Response:
+    async def forward(
+        self, method: str, path: str, query: str, headers: dict[str, str], body: bytes
+    ) -> "RelayedResponse | Response":
+        """An ASGI response for the request: the chosen replica's, relayed, or the router's own 503 (or the last
+        replica's 5xx when every replica answered one)."""
         info = parse_request(headers, body)
         tried: set[int] = set()
         failures: list[Failed] = []
@@ -162,7 +166,7 @@ def response_headers(response: httpx.Response, replica: Replica) -> tuple[tuple[
     return tuple(kept) + ((REPLICA_HEADER.encode(), replica.url.encode()),)
 
 
-class RelayedResponse(Response):
+class RelayedResponse:
     """An ASGI response that relays an `Answered` upstream: status and headers as the replica sent them (plus
     X-KVShare-Replica), then each body chunk the moment it arrives. Whatever happens (end, upstream error, client
     gone) the upstream is closed and the replica's in-flight count released exactly once."""
@@ -171,7 +175,6 @@ class RelayedResponse(Response):
         self.answered = answered
         self.proxy = proxy
         self.status_code = answered.response.status_code
-        self.background = None
 
     async def __call__(self, scope, receive, send) -> None:
         try:
