@@ -31,6 +31,10 @@ def prefill_flops(c: ModelConfig, tokens: int, context: int = 0) -> float:
     return c.num_layers * (dense + attention)
 
 
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+
 def ttft(engine: Engine, rid: str, prompt: list[int]) -> tuple[float, TokenEvent]:
     """Seconds from submit to the first token (sampling reads the logits back, so the device work is done)."""
     first, finished = [], []
@@ -55,34 +59,38 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--lengths", default="8192,32768,131072,261120")
     parser.add_argument("--prefill-chunk", type=int, default=8192)
+    parser.add_argument("--preset", default="qwen2.5-32b", help="make-model preset (tiny: a CPU smoke run)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--max-model-len", type=int, default=262144)
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "."))
-    model_dir = make_model("qwen2.5-32b", Path(tempfile.mkdtemp()) / "qwen2.5-32b")
-    config = EngineConfig(model=str(model_dir), load_format="dummy", device="cuda", dtype="bfloat16",
-                          max_model_len=262144, prefill_chunk=args.prefill_chunk)
+    model_dir = make_model(args.preset, Path(tempfile.mkdtemp()) / args.preset)
+    config = EngineConfig(model=str(model_dir), load_format="dummy", device=args.device, dtype="bfloat16",
+                          max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk)
     t0 = time.perf_counter()
     engine = Engine(config)
     load_s = time.perf_counter() - t0
     mc = engine.model_config
     gen = torch.Generator().manual_seed(0)
     rows = []
-    ttft(engine, "warmup", torch.randint(0, 150000, (2048,), generator=gen).tolist())
+    vocab = min(mc.vocab_size, 150000)
+    ttft(engine, "warmup", torch.randint(0, vocab, (2048,), generator=gen).tolist())
     prompts = {}
     for length in (int(x) for x in args.lengths.split(",")):
-        prompts[length] = torch.randint(0, 150000, (length,), generator=gen).tolist()
+        prompts[length] = torch.randint(0, vocab, (length,), generator=gen).tolist()
         seconds, event = ttft(engine, f"p{length}", prompts[length])
         rows.append(dict(run="cold", tokens=length, ttft_s=seconds, flops=prefill_flops(mc, length),
-                         cached=event.usage.cached_tokens, peak_gib=torch.cuda.max_memory_allocated() / 2**30))
+                         cached=event.usage.cached_tokens, peak_gib=peak_gib()))
     last = max(prompts)
     seconds, event = ttft(engine, "hit", prompts[last])  # the same prompt again: a local prefix-cache hit
     hit = event.usage.local_hit_tokens
     rows.append(dict(run="local-hit", tokens=last, ttft_s=seconds, flops=prefill_flops(mc, last - hit, hit),
-                     cached=hit, peak_gib=torch.cuda.max_memory_allocated() / 2**30))
+                     cached=hit, peak_gib=peak_gib()))
     for row in rows:
         row["tflops"] = row["flops"] / row["ttft_s"] / 1e12
         row["roofline_s"] = row["flops"] / ROOFLINE
         row["x_roofline"] = row["ttft_s"] / row["roofline_s"] if row["roofline_s"] else None
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, load_s=load_s,
+    result = dict(device=torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device, torch=torch.__version__, load_s=load_s,
                   num_blocks=engine.num_blocks, block_size=engine.block_size, prefill_chunk=args.prefill_chunk,
                   rows=rows)
     out.mkdir(parents=True, exist_ok=True)
