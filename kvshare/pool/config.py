@@ -38,6 +38,8 @@ class PoolConfig:
             )
         if self.lease_timeout <= 0:
             raise ValueError(f"lease timeout must be positive, got {self.lease_timeout}")
+        if self.hugetlb and self.page_size % (2 * MiB):
+            raise ValueError(f"--hugetlb needs a page size that is a multiple of 2MiB, got {self.page_size}")
         if self.tcp and not self.token:
             raise ValueError("--tcp needs a shared token: pass --token-file FILE (clients send it in their first message)")
 

@@ -133,3 +133,19 @@ def test_numpy_write_rejects_wrong_size(client, ns):
     ref = client.reserve(ns, new_chunks(keys, tokens, 10, ns)).chunks[0]
     with pytest.raises(ValueError):
         client.write(ref, np.zeros(11, dtype=np.uint8))
+
+
+def test_one_client_is_safe_to_share_between_threads(client, ns):
+    from concurrent.futures import ThreadPoolExecutor
+
+    keys, tokens = prompt(4, ns=ns)
+    client.commit(client.reserve(ns, new_chunks(keys, tokens, 10, ns)).lease, [1, 2, 3, 4])
+
+    def work(i: int) -> list[int]:
+        found = client.lookup(ns, keys[: 1 + i % 4], tokens[: 1 + i % 4])
+        client.release(found.lease)
+        return [c.checksum for c in found.chunks]
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(work, range(200)))
+    assert results == [[1, 2, 3, 4][: 1 + i % 4] for i in range(200)]  # every reply went to its own request
