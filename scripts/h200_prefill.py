@@ -81,6 +81,9 @@ def main() -> None:
         seconds, event = ttft(engine, f"p{length}", prompts[length])
         rows.append(dict(run="cold", tokens=length, ttft_s=seconds, flops=prefill_flops(mc, length),
                          cached=event.usage.cached_tokens, peak_gib=peak_gib()))
+        # Print as we go: a run cut off by the device's time limit still reports the lengths it finished.
+        print(f"cold {length} tokens: TTFT {seconds:.3f} s, {rows[-1]['flops'] / seconds / 1e12:.0f} TFLOP/s, "
+              f"peak {peak_gib():.1f} GiB", flush=True)
     last = max(prompts)
     seconds, event = ttft(engine, "hit", prompts[last])  # the same prompt again: a local prefix-cache hit
     hit = event.usage.local_hit_tokens
