@@ -73,13 +73,20 @@ class PoolServer:
                  + f" (arena {self.arena.path}, {format_size(self.arena.size)}, {self.config.num_pages} pages of "
                  f"{format_size(self.config.page_size)})")
         started = time.monotonic()
-        self.arena.prepare(self.config.threads, lambda n: loop.call_soon_threadsafe(self._prepared, n, started))
+        self.arena.prepare(self.config.threads, lambda n: self._from_preparer(loop, n, started))
         expiry = asyncio.create_task(self._expire_leases())
         await self._stop.wait()
         expiry.cancel()
         for server in servers:
             server.close()
         announce("shutting down")
+
+    def _from_preparer(self, loop: asyncio.AbstractEventLoop, nbytes: int, started: float) -> None:
+        """Called on the preparation thread: hand the progress to the loop's thread, which owns PoolState."""
+        try:
+            loop.call_soon_threadsafe(self._prepared, nbytes, started)
+        except RuntimeError:
+            pass  # the loop has closed: shutting down
 
     def _prepared(self, nbytes: int, started: float) -> None:
         self.state.allocator.add_prepared(nbytes // self.config.page_size)

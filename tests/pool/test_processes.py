@@ -9,13 +9,13 @@ import time
 
 from kvshare.pool.client import PoolClient, PoolError
 from kvshare.pool.testing import start_pool
-from tests.pool.conftest import NS, PAGE, new_chunks, prompt, random_bytes
+from tests.pool.conftest import NS, PAGE, new_chunks, prompt
 
 # A child process: `python -c CHILD <address> <mode>`; it speaks only through the pool and its exit code/stdout.
 CHILD = textwrap.dedent("""
     import sys, time
     from kvshare.pool.client import PoolClient, checksum
-    from tests.pool.conftest import NS, PAGE, new_chunks, prompt, random_bytes
+    from tests.pool.conftest import NS, PAGE, new_chunks, prompt
     address, mode = sys.argv[1], sys.argv[2]
     keys, tokens = prompt(3, seed=42)
     data = [random_bytes(PAGE + 777, seed=i) for i in range(3)]
