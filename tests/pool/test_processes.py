@@ -15,7 +15,7 @@ from tests.pool.conftest import NS, PAGE, new_chunks, prompt
 CHILD = textwrap.dedent("""
     import sys, time
     from kvshare.pool.client import PoolClient, checksum
-    from tests.pool.conftest import NS, PAGE, new_chunks, prompt
+    from tests.pool.conftest import NS, PAGE, new_chunks, prompt, random_bytes
     address, mode = sys.argv[1], sys.argv[2]
     keys, tokens = prompt(3, seed=42)
     data = [random_bytes(PAGE + 777, seed=i) for i in range(3)]
