@@ -5,7 +5,7 @@
 set -uo pipefail
 OUT=${OUT:-out/transfer}
 mkdir -p "$OUT"
-export PYTHONPATH=.
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 PY=${PY:-python3}
 status=0
 
