@@ -185,6 +185,20 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
+def _drift_note(sessions: SessionsSummary) -> str:
+    """Turn 1 is a fresh context in every arm: the same work, which no cache can speed up. Its OFF/ON ratio far
+    from 1 means the machine's speed drifted between the arms (which run one after the other)."""
+    ratios = []
+    for off in (c for c in sessions.conditions if c.arm == "OFF" and c.turn_ttft_medians):
+        on = next((c for c in sessions.conditions if c.arm == "ON" and (c.context, c.placement) ==
+                   (off.context, off.placement)), None)
+        if on and on.turn_ttft_medians:
+            ratios.append(f"{off.context} {off.placement} {_fmt(off.turn_ttft_medians[0] / on.turn_ttft_medians[0], 2)}")
+    return ("Drift check: turn 1 does the same work in both arms (a fresh context), so its OFF/ON TTFT ratio "
+            f"should be about 1: {'; '.join(ratios) or 'n/a'}. Far from 1, the machine's load changed between the "
+            "arms and the session improvements are not trustworthy; rerun with more --sessions on a quiet machine.")
+
+
 def _markdown(info: RunInfo, rows, cross, sessions, plots: list[str]) -> str:
     import datetime
 
@@ -207,7 +221,7 @@ def _markdown(info: RunInfo, rows, cross, sessions, plots: list[str]) -> str:
                 "Each turn appends the previous answer and a new user message. `alternate` sends turns to A, B, "
                 "A, B, ...; `fixed` keeps a session on one replica. Improvement = 1 - ON / OFF median total session "
                 "time.", "", _table(SESSION_HEADER, session_rows(sessions)), "",
-                _table(TURN_HEADER, turn_rows(sessions)), ""]
+                _table(TURN_HEADER, turn_rows(sessions)), "", _drift_note(sessions), ""]
     out += [f"![{name}]({name})" for name in plots]
     return "\n".join(out) + "\n"
 
