@@ -58,6 +58,8 @@ class LocalConfig:
     device: str = "cpu"
     max_model_len: int | None = None
     ready_timeout_s: float = 300.0
+    load_format: str = ""  # e.g. "dummy" for the qwen2.5-32b config-only preset; empty: the server's default
+    gpus: tuple[str, ...] = ()  # CUDA_VISIBLE_DEVICES of replica A and B (e.g. ("0", "1")); empty: inherit
 
 
 class EndpointDeployment:
@@ -83,12 +85,13 @@ class EndpointDeployment:
 class ManagedProcess:
     """A child process in its own process group, with its output in a log file."""
 
-    def __init__(self, name: str, argv: list[str], log_path: Path):
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None):
         self.name, self.log_path = name, log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("ab") as log_file:
             # start_new_session: Ctrl-C in the terminal reaches only us; we stop the children ourselves, in order.
-            self.popen = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+            self.popen = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                                          env={**os.environ, **(env or {})})
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -133,7 +136,7 @@ class LocalDeployment:
             self._stop_serving()
             if arm == "ON" and self.pool is None:
                 self._start_pool()
-            urls = tuple(self._start_replica(name, arm) for name in ("a", "b"))
+            urls = tuple(self._start_replica(name, arm, i) for i, name in enumerate(("a", "b")))
             self.endpoints, self.arm, self._policy = Endpoints(urls), arm, None
         if policy and policy != self._policy:
             self._ensure_router(policy)
@@ -181,7 +184,7 @@ class LocalDeployment:
             _check_starting(self.pool, deadline, f"pool socket {self.pool_socket}")
             time.sleep(0.1)
 
-    def _start_replica(self, name: str, arm: str) -> str:
+    def _start_replica(self, name: str, arm: str, index: int) -> str:
         c, port = self.config, free_port()
         argv = _kvshare(
             "serve", "--model", str(c.model_dir), "--host", "127.0.0.1", "--port", str(port), "--device", c.device,
@@ -190,7 +193,10 @@ class LocalDeployment:
         )
         if c.max_model_len:
             argv += ["--max-model-len", str(c.max_model_len)]
-        process = ManagedProcess(f"replica-{name}", argv, c.log_dir / f"replica-{name}-{arm}.log")
+        if c.load_format:
+            argv += ["--load-format", c.load_format]
+        env = {"CUDA_VISIBLE_DEVICES": c.gpus[index]} if c.gpus else None
+        process = ManagedProcess(f"replica-{name}", argv, c.log_dir / f"replica-{name}-{arm}.log", env)
         self.replicas.append(process)
         url = f"http://127.0.0.1:{port}"
         wait_http_ready(url, process, c.ready_timeout_s)
