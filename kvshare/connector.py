@@ -190,9 +190,9 @@ class ConnectorCore:
 
     def _on_connect(self, client) -> None:
         # Called under the link's lock for each new connection: the arena (and so every page view) is new.
-        # The pool's ATTACH reply carries no instance id yet, so a pool restarted on the same arena path looks like
-        # the same life; the checksum a load verifies (I1) still catches pages that changed under a stale hit.
-        self._instance = client.arena_path
+        # A restarted pool reuses page numbers (and maybe the arena path) for other bytes: its random instance id
+        # tells the lives apart, so a hit from an earlier life is never loaded (the checksum would catch it too).
+        self._instance = f"{client.arena_path}:{client.instance_id}"
         self._transfer = None
         if self._kv_caches is not None:
             from kvshare.transfer import make_transfer

@@ -58,6 +58,7 @@ class PoolClient:
         self.page_size = info.page_size if info else 0
         self.num_pages = info.num_pages if info else 0
         self.arena_path = info.path if info else ""
+        self.instance_id = info.instance if info else ""
         self._mapping: Mapping | None = None
 
     @classmethod
@@ -72,6 +73,7 @@ class PoolClient:
         try:
             info = client._call(p.Attach(token or "", os.getpid()), p.ArenaInfo)
             client.page_size, client.num_pages, client.arena_path = info.page_size, info.num_pages, info.path
+            client.instance_id = info.instance
             if map_arena:
                 client._map(populate)
         except BaseException:

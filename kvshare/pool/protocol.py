@@ -129,6 +129,7 @@ class ArenaInfo(Reply):
     page_size: int
     num_pages: int
     pages_prepared: int
+    instance: str = ""  # random per server life: a restarted pool reuses page numbers for other bytes
 
 
 class Ok(Reply):

@@ -54,6 +54,7 @@ class PoolServer:
         self.clients = 0
         self.started = time.monotonic()
         self._ids = itertools.count(1)
+        self.instance = os.urandom(8).hex()  # identity only, never a key: clients tell pool lives apart by it
         self._stop = asyncio.Event()
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
@@ -160,7 +161,7 @@ class PoolServer:
                                       "ATTACH with the pool's token (pass token= to PoolClient.connect)")
         match request:
             case p.Attach():
-                return p.ArenaInfo(self.arena.path, self.config.page_size, self.config.num_pages, s.allocator.prepared)
+                return p.ArenaInfo(self.arena.path, self.config.page_size, self.config.num_pages, s.allocator.prepared, self.instance)
             case p.Hello(namespace, description):
                 s.hello(namespace, description)
                 return p.Ok()

@@ -32,7 +32,7 @@ def start_pool(
     `check_integrity` makes the server verify its bookkeeping after every request (tests want that).
     """
     with tempfile.TemporaryDirectory(prefix="kvshare-pool-") as tmp:
-        address = os.path.join(tmp, "pool.sock")
+        address = opts.pop("socket", None) or os.path.join(tmp, "pool.sock")  # a fixed path lets a test restart a pool
         arena = opts.pop("arena", None) or f"/dev/shm/kvshare-test-{os.getpid()}-{os.path.basename(tmp)}.arena"
         command = [sys.executable, "-m", "kvshare.cli", "pool", "serve", "--size", str(size), "--socket", address,
                    "--arena", arena]

@@ -1,0 +1,113 @@
+"""The connector core between real engines and a real pool process: cross-replica hits equal cache OFF (I6), chunks
+completed by generated tokens are shared, and a pool that dies or restarts changes no output (I7)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+
+import pytest
+
+from kvshare.connector import ConnectorConfig, PoolConnector
+from kvshare.engine.api import GenerationRequest, SamplingParams
+from kvshare.engine.config import EngineConfig
+from kvshare.engine.engine import Engine, generate
+from kvshare.engine.testing import make_tiny_model
+from kvshare.pool.testing import start_pool
+
+CHUNK = 32
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("connector"))
+
+
+@pytest.fixture
+def engines(model_dir):
+    """Three engines: a cache-OFF reference and two whose connectors are attached per test."""
+    made = [Engine(EngineConfig(model=str(model_dir), max_model_len=512, num_blocks=128)) for _ in range(3)]
+    yield made
+    for engine in made:
+        if engine.connector is not None:
+            engine.connector.close()
+        engine.shutdown()
+
+
+def attach(engine: Engine, address: str, **overrides) -> PoolConnector:
+    connector = PoolConnector.for_engine(engine, ConnectorConfig(address=address, chunk_tokens=CHUNK, **overrides))
+    engine.set_connector(connector)
+    return connector
+
+
+def run(engine: Engine, prompt: list[int], sampling: SamplingParams = GREEDY, rid: str = "r"):
+    (result,) = generate(engine, [GenerationRequest(f"{rid}-{len(prompt)}-{prompt[0]}", tuple(prompt), sampling)], timeout=120)
+    assert result.finished is not None and result.finished.finish_reason != "error", result.finished
+    return result.token_ids, result.finished.usage
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 1000 + 3 for i in range(length)]
+
+
+def test_cross_replica_hits_give_the_cache_off_tokens(engines):
+    off, a, b = engines
+    with start_pool("64MiB", page_size="64KiB") as (address, _):
+        attach(a, address)
+        connector_b = attach(b, address)
+        # Lengths: partial tails (70, 129), an exact multiple (96: the last chunk must stay uncached for logits).
+        for length in (70, 96, 129):
+            prompt = prompt_of(length, seed=length)
+            reference, _ = run(off, prompt)
+            tokens_a, usage_a = run(a, prompt)
+            a.connector.core.flush()
+            tokens_b, usage_b = run(b, prompt)
+            assert usage_a.pool_hit_tokens == 0
+            assert usage_b.pool_hit_tokens == (length - 1) // CHUNK * CHUNK
+            assert tokens_a == reference and tokens_b == reference  # fp32 on CPU: exact (I6)
+        assert connector_b.stats.loads == 3 and connector_b.stats.load_failures == 0
+
+
+def test_next_turn_hits_chunks_stored_from_generated_tokens(engines):
+    off, a, b = engines
+    with start_pool("64MiB", page_size="64KiB") as (address, _):
+        attach(a, address)
+        attach(b, address)
+        first = prompt_of(40, seed=1)
+        answer, _ = run(a, first, SamplingParams(max_tokens=60, ignore_eos=True))
+        a.connector.core.flush()
+        second = first + answer + prompt_of(10, seed=2)  # the session's next turn, on the other replica
+        tokens_b, usage_b = run(b, second)
+        # A holds KV for first + answer[:-1] = 99 tokens -> 3 full chunks, 2 of them made of generated tokens.
+        assert usage_b.pool_hit_tokens == 96
+        assert tokens_b == run(off, second)[0]
+
+
+def test_a_pool_that_dies_or_restarts_changes_no_output(engines):
+    off, a, b = engines
+    socket_path = os.path.join(tempfile.mkdtemp(prefix="kvshare-restart-"), "pool.sock")
+    before, during, after = (prompt_of(100, seed=s) for s in (11, 12, 13))
+    with start_pool("64MiB", page_size="64KiB", socket=socket_path) as (address, process):
+        attach(a, address, retry_interval=0.2)
+        attach(b, address, retry_interval=0.2)
+        run(a, before)
+        a.connector.core.flush()
+        assert run(b, before)[1].pool_hit_tokens == 96
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        for engine in (a, b):  # no pool at all: every request succeeds with the cache-OFF tokens
+            tokens, usage = run(engine, during, rid=f"down-{id(engine)}")
+            assert tokens == run(off, during)[0] and usage.pool_hit_tokens == 0
+    with start_pool("64MiB", page_size="64KiB", socket=socket_path) as (address, _):
+        # A new pool life: nothing from the old arena may be served; the replicas reconnect on their own.
+        import time
+
+        time.sleep(0.3)  # past retry_interval
+        tokens, usage = run(b, before, rid="after-restart")
+        assert usage.pool_hit_tokens == 0 and tokens == run(off, before)[0]
+        run(a, after)
+        a.connector.core.flush()
+        tokens, usage = run(b, after)
+        assert usage.pool_hit_tokens == 96 and tokens == run(off, after)[0]
