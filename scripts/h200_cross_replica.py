@@ -1,0 +1,207 @@
+"""Cross-replica TTFT on one GPU (issue 8): replicas A and B are separate processes sharing one pool; the 32B
+model fits only one at a time, so A runs, stores its documents and exits, then B runs. Block order OFF-ON-ON-OFF.
+
+    PYTHONPATH=/tmp/site:. python3 scripts/h200_cross_replica.py --lengths 32768,131072 --reps 2,2 --out $OUT
+
+Each replica is a process running the kvshare engine in-process (no HTTP): TTFT = submit -> first token event,
+with the device synchronised by the sampler's read of the logits. OFF blocks run B without a pool (A's warm request
+has no effect on a replica without a pool, so it is skipped). In ON blocks A's TTFT is also recorded: it is the first
+(missing) request, which stores. The GPU service regression compares B ON with B OFF on one prompt: first-token
+logits (max abs difference) and greedy tokens. Rows go to OUT/cross_replica.jsonl as they are measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+KV_BYTES_PER_TOKEN = 64 * 8 * 128 * 2 * 2  # qwen2.5-32b shape, bf16
+QUESTIONS = 64  # tokens of the new question B asks about the document
+REGRESSION_LEN = 32768
+
+
+def document(length: int, seed: int, vocab: int) -> list[int]:
+    import torch
+
+    return torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ---- replica process ---------------------------------------------------------------------------------------------
+def replica(args) -> None:
+    import torch
+
+    from kvshare.connector import ConnectorConfig, PoolConnector
+    from kvshare.engine.api import GenerationRequest, SamplingParams
+    from kvshare.engine.config import EngineConfig
+    from kvshare.engine.engine import Engine
+
+    jobs = json.loads(Path(args.jobs).read_text())
+    started = time.perf_counter()
+    engine = Engine(EngineConfig(model=args.model, load_format="dummy", device=args.device, dtype="bfloat16",
+                                 max_model_len=args.max_model_len))
+    if args.pool != "none":
+        # Checksums are verified by `kvshare validate transfer`; hashing 64 GiB on the load path would cost seconds.
+        engine.set_connector(PoolConnector.for_engine(engine, ConnectorConfig(address=args.pool, verify_checksums=False)))
+    logits: list = []
+    original = engine.runner.prefill
+    engine.runner.prefill = lambda seq: logits.append(original(seq)) or logits[-1]  # keep first-token logits
+    ready = time.perf_counter() - started
+    with open(args.rows, "a") as out:
+        for job in jobs:
+            vocab = min(engine.model_config.vocab_size, 150000)
+            prompt = document(job["length"], job["seed"], vocab) + document(QUESTIONS, job["question"], vocab)
+            sampling = SamplingParams(max_tokens=job.get("max_tokens", 1), ignore_eos=True)
+            first: list[float] = []
+            tokens: list[int] = []
+            done: list = []
+            t0 = time.perf_counter()
+
+            def on_event(event, first=first, tokens=tokens, done=done, t0=t0):
+                if event.token_id is not None:
+                    if not first:
+                        first.append(time.perf_counter() - t0)
+                    tokens.append(event.token_id)
+                if event.finished:
+                    done.append(event)
+
+            engine.submit(GenerationRequest(job["id"], tuple(prompt), sampling), on_event)
+            while not done:
+                time.sleep(0.002)
+            event = done[0]
+            if engine.connector is not None:
+                engine.connector.core.flush(600)  # A's stores are committed before B starts
+            row = dict(job, role=args.role, ttft_s=first[0] if first else None, finish=event.finish_reason,
+                       error=event.error, prompt_tokens=len(prompt), local_hit=event.usage.local_hit_tokens,
+                       pool_hit=event.usage.pool_hit_tokens, replica_ready_s=ready)
+            if job.get("regression"):
+                row["tokens"] = tokens
+                torch.save(logits[-1].float().cpu(), Path(args.rows).with_name(f"logits-{job['id']}-{args.role}.pt"))
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+            if row["ttft_s"] is None:
+                raise SystemExit(f"request {job['id']} failed: {event.error}")
+            print(f"  {args.role:>6} {job['block']:>4} {job['length']:>7} tokens: TTFT {row['ttft_s']:.3f} s "
+                  f"(pool hit {row['pool_hit']}, local hit {row['local_hit']})", flush=True)
+    if engine.connector is not None:
+        engine.connector.close()
+    engine.shutdown()
+
+
+# ---- orchestrator ------------------------------------------------------------------------------------------------
+def run_replica(role: str, pool: str, jobs: list[dict], ns) -> None:
+    if not jobs:
+        return
+    jobs_file = Path(tempfile.mkstemp(suffix=".json")[1])
+    jobs_file.write_text(json.dumps(jobs))
+    command = [sys.executable, __file__, "replica", "--role", role, "--pool", pool, "--jobs", str(jobs_file),
+               "--model", ns.model, "--rows", str(ns.rows), "--device", ns.device, "--max-model-len", str(ns.max_model_len)]
+    subprocess.run(command, check=True, env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+
+
+def cycles(jobs: list[dict], capacity: int) -> list[list[dict]]:
+    """Split ON jobs into A/B cycles whose documents fit the pool together."""
+    out, current, used = [], [], 0
+    for job in jobs:
+        need = (job["length"] + QUESTIONS) * KV_BYTES_PER_TOKEN
+        if current and used + need > capacity:
+            out.append(current)
+            current, used = [], 0
+        current.append(job)
+        used += need
+    return out + ([current] if current else [])
+
+
+def orchestrate(ns) -> None:
+    from kvshare.engine.make_model import make_model
+    from kvshare.pool.client import PoolClient
+    from kvshare.pool.testing import start_pool
+
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ns.rows = out / "cross_replica.jsonl"
+    ns.model = str(make_model(ns.preset, Path(tempfile.mkdtemp()) / ns.preset))
+    lengths = [int(x) for x in ns.lengths.split(",")]
+    reps = [int(x) for x in ns.reps.split(",")]
+    seed = iter(range(1000, 10**6))
+    blocks = {name: [dict(id=f"{name}-{l}-{r}", block=name, arm=name[:-1], length=l, rep=r, seed=next(seed),
+                          question=next(seed)) for l, n in zip(lengths, reps) for r in range(n)]
+              for name in ("OFF1", "ON1", "ON2", "OFF2")}
+    regression = dict(id="regression", block="REG", arm="REG", length=ns.regression_len, rep=0, seed=7, question=8,
+                      regression=True, max_tokens=16) if ns.regression_len else None
+    t0 = time.perf_counter()
+    with start_pool(ns.pool_size, page_size=ns.page_size, check_integrity=False) as (address, _):
+        print(f"pool {ns.pool_size} ready in {time.perf_counter() - t0:.1f} s", flush=True)
+        capacity = int(0.9 * PoolClient.connect(address).stats().capacity_bytes)
+        for name, jobs in blocks.items():
+            print(f"== block {name}", flush=True)
+            if name.startswith("OFF"):
+                run_replica("B-off", "none", jobs + ([regression] if regression and name == "OFF1" else []), ns)
+                continue
+            extra = [regression] if regression and name == "ON1" else []
+            for cycle in cycles(extra + jobs, capacity):
+                with PoolClient.connect(address) as client:
+                    client.clear()
+                run_replica("A", address, cycle, ns)
+                run_replica("B-on", address, [dict(j, question=j["question"] + 1) if not j.get("regression") else j
+                                              for j in cycle], ns)
+    summarize(ns.rows, out)
+
+
+def summarize(rows_path: Path, out: Path) -> None:
+    import statistics
+
+    import torch
+
+    rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
+    table = {}
+    for row in rows:
+        if row.get("regression") or row["ttft_s"] is None:
+            continue
+        key = (row["length"], "A (first, stores)" if row["role"] == "A" else f"B {row['arm']}")
+        table.setdefault(key, []).append(row["ttft_s"])
+    summary = {f"{l}|{k}": dict(median=statistics.median(v), min=min(v), max=max(v), n=len(v)) for (l, k), v in table.items()}
+    reg = [r for r in rows if r.get("regression") and r["role"] in ("B-off", "B-on")]
+    if len(reg) == 2:
+        a, b = (torch.load(rows_path.with_name(f"logits-regression-{role}.pt")) for role in ("B-off", "B-on"))
+        off, on = sorted(reg, key=lambda r: r["role"])  # "B-off" < "B-on"
+        agree = sum(x == y for x, y in zip(off["tokens"], on["tokens"]))
+        summary["regression"] = dict(first_token_logit_max_abs_diff=float((a - b).abs().max()),
+                                     logit_scale=float(a.abs().max()), argmax_equal=bool(a.argmax() == b.argmax()),
+                                     greedy_tokens_agree=f"{agree}/{len(off['tokens'])}", pool_hit=on["pool_hit"])
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"{'length':>8} {'arm':>20} {'median s':>9} {'min':>8} {'max':>8} {'n':>3}")
+    for (l, k), v in sorted(table.items()):
+        print(f"{l:>8} {k:>20} {statistics.median(v):>9.3f} {min(v):>8.3f} {max(v):>8.3f} {len(v):>3}")
+    if "regression" in summary:
+        print("regression:", summary["regression"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="mode")
+    run = sub.add_parser("run")
+    run.add_argument("--lengths", default="32768,131072")
+    run.add_argument("--reps", default="2,2", help="measured requests per block for each length")
+    run.add_argument("--preset", default="qwen2.5-32b")
+    run.add_argument("--device", default="cuda")
+    run.add_argument("--max-model-len", type=int, default=262144)
+    run.add_argument("--pool-size", default="100GiB")
+    run.add_argument("--page-size", default="2MiB")
+    run.add_argument("--regression-len", type=int, default=REGRESSION_LEN)
+    run.add_argument("--out", default=os.environ.get("OUT", "out/cross_replica"))
+    rep = sub.add_parser("replica")
+    for flag in ("--role", "--pool", "--jobs", "--model", "--rows", "--device"):
+        rep.add_argument(flag, required=True)
+    rep.add_argument("--max-model-len", type=int, required=True)
+    ns = parser.parse_args()
+    replica(ns) if ns.mode == "replica" else orchestrate(ns)
+
+
+if __name__ == "__main__":
+    main()
