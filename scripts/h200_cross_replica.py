@@ -182,6 +182,54 @@ def summarize(rows_path: Path, out: Path) -> None:
         print("regression:", summary["regression"])
 
 
+STUDY = {131072: (31.715, 0.605), 262144: (92.047, 0.790)}  # the case study's medians (27B model), OFF -> ON
+
+
+def report(rows_paths: list[Path], out: Path) -> None:
+    """Merge runs' rows into one table (markdown) and one plot: TTFT by input length, OFF vs ON, log scale."""
+    import statistics
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for path in rows_paths for line in path.read_text().splitlines()]
+    rows = [r for r in rows if not r.get("regression") and r.get("ttft_s") is not None]
+    groups: dict[tuple[int, str], list[float]] = {}
+    for r in rows:
+        groups.setdefault((r["length"], {"A": "A (first, stores)", "B-off": "OFF", "B-on": "ON"}[r["role"]]), []).append(r["ttft_s"])
+    lines = ["| input tokens | arm | n | median TTFT s | min | max | blocks |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for (length, arm), values in sorted(groups.items()):
+        blocks = ",".join(sorted({r["block"] for r in rows if r["length"] == length and
+                                  {"A": "A (first, stores)", "B-off": "OFF", "B-on": "ON"}[r["role"]] == arm}))
+        lines.append(f"| {length} | {arm} | {len(values)} | {statistics.median(values):.3f} | {min(values):.3f} | "
+                     f"{max(values):.3f} | {blocks} |")
+    lines += ["", "| input | ours OFF -> ON (median s) | speedup | study OFF -> ON (27B, 2 GPUs) | study speedup |",
+              "| --- | --- | --- | --- | --- |"]
+    for length in sorted({l for l, _ in groups}):
+        off, on = groups.get((length, "OFF")), groups.get((length, "ON"))
+        if not off or not on:
+            continue
+        m_off, m_on = statistics.median(off), statistics.median(on)
+        study = STUDY.get(length) or STUDY.get(262144 if length > 200000 else -1)
+        cell = f"{study[0]:.3f} -> {study[1]:.3f} | {study[0] / study[1]:.0f}x" if study else "- | -"
+        lines.append(f"| {length} | {m_off:.3f} -> {m_on:.3f} | {m_off / m_on:.1f}x | {cell} |")
+    (out / "cross_replica_summary.md").write_text("\n".join(lines) + "\n")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for arm, marker in (("OFF", "o"), ("ON", "s"), ("A (first, stores)", "x")):
+        xs = sorted(l for l, a in groups if a == arm)
+        ax.plot(xs, [statistics.median(groups[(x, arm)]) for x in xs], marker=marker, label=arm)
+        for x in xs:
+            ax.vlines(x, min(groups[(x, arm)]), max(groups[(x, arm)]), alpha=0.4)
+    ax.set(xscale="log", yscale="log", xlabel="input tokens", ylabel="TTFT (s), median with min-max",
+           title="Cross-replica TTFT, qwen2.5-32b shape, one H200")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "cross_replica_ttft.png", dpi=120)
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="mode")
@@ -195,11 +243,16 @@ def main() -> None:
     run.add_argument("--page-size", default="2MiB")
     run.add_argument("--regression-len", type=int, default=REGRESSION_LEN)
     run.add_argument("--out", default=os.environ.get("OUT", "out/cross_replica"))
+    rep_ = sub.add_parser("report")
+    rep_.add_argument("--rows", action="append", type=Path, required=True)
+    rep_.add_argument("--out", type=Path, required=True)
     rep = sub.add_parser("replica")
     for flag in ("--role", "--pool", "--jobs", "--model", "--rows", "--device"):
         rep.add_argument(flag, required=True)
     rep.add_argument("--max-model-len", type=int, required=True)
     ns = parser.parse_args()
+    if ns.mode == "report":
+        return report(ns.rows, ns.out)
     replica(ns) if ns.mode == "replica" else orchestrate(ns)
 
 
