@@ -40,7 +40,10 @@ def check_pool(
     """Reserve all free pages (at most max_pages) in one-page chunks, write, commit, look up, verify, clear.
     `corrupt(pages)` runs between write and verify: tests use it to prove the check can fail."""
     client.hello(NAMESPACE, "kvshare pool check")
-    free = client.stats().pages_free if max_pages is None else max_pages
+    stats = client.stats()
+    free = stats.pages_free if max_pages is None else max_pages
+    if stats.max_leased_pages_per_client:  # one connection may lease no more: a full check needs a pool without a limit
+        free = min(free, stats.max_leased_pages_per_client)
     tag = os.urandom(8)  # fresh keys per run: a repeated check never skips chunks as already present
     keys = [xxhash.xxh3_128_digest(tag + i.to_bytes(8, "little")) for i in range(free)]
     parents = [NAMESPACE] + keys[:-1]  # one chain, so a single LOOKUP must return every page
@@ -80,7 +83,7 @@ def run_check(size: str, socket: str = "", page_size: str = "2MiB") -> int:
     from kvshare.pool.testing import start_pool
 
     started = contextlib.nullcontext((socket, None)) if socket else start_pool(
-        parse_size(size), page_size=parse_size(page_size), check_integrity=False
+        parse_size(size), page_size=parse_size(page_size), check_integrity=False, max_leased_pages_per_client=0
     )
     with started as (address, _), PoolClient.connect(address, populate=True) as client:
         result = check_pool(client)

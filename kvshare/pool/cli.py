@@ -30,6 +30,11 @@ def register(cli) -> None:
                        "least recently used unleased chunks (default 0.95)")
     serve.add_argument("--low-watermark", type=float, default=0.90, help="used fraction eviction brings the pool "
                        "down to (default 0.90)")
+    serve.add_argument("--group", default="", help="group that owns the socket and arena (mode 0660): the users "
+                       "replicas run as must be in it (default: the pool user's primary group)")
+    serve.add_argument("--max-leased-pages-per-client", type=int, default=-1, metavar="PAGES", help="pages one "
+                       "connection may hold under leases at once; beyond it LOOKUP returns a shorter prefix and "
+                       "RESERVE answers lease_limit (default -1: half the arena; 0: no limit)")
     serve.add_argument("--keep", action="store_true", help="keep the socket and arena files at shutdown")
     serve.add_argument("--check-integrity", action="store_true", help="debug: verify the pool's bookkeeping after "
                        "every request that changes it (slow for big pools)")
@@ -68,7 +73,8 @@ def _serve(args: argparse.Namespace) -> int:
             size=parse_size(args.size), socket=args.socket, arena=args.arena, page_size=parse_size(args.page_size),
             hugetlb=args.hugetlb, tcp=args.tcp, token=token, lease_timeout=args.lease_timeout,
             high_watermark=args.high_watermark, low_watermark=args.low_watermark, keep=args.keep,
-            check_integrity=args.check_integrity,
+            check_integrity=args.check_integrity, group=args.group,
+            max_leased_pages_per_client=args.max_leased_pages_per_client,
         )
         return serve(config)
     except (ValueError, ArenaError, RuntimeError, OSError) as error:

@@ -26,6 +26,8 @@ class PoolConfig:
     max_frame: int = DEFAULT_MAX_FRAME
     check_integrity: bool = False  # debug: run check_integrity() after every request that changes state
     prepare_threads: int = 0  # 0 -> min(os.cpu_count(), 16)
+    max_leased_pages_per_client: int = -1  # -1 -> half the arena; 0 -> no limit
+    group: str = ""  # group that owns the socket and arena (both mode 0660); "" -> the user's primary group
 
     def __post_init__(self):
         if self.page_size <= 0 or self.page_size % 4096:
@@ -40,12 +42,22 @@ class PoolConfig:
             raise ValueError(f"lease timeout must be positive, got {self.lease_timeout}")
         if self.hugetlb and self.page_size % (2 * MiB):
             raise ValueError(f"--hugetlb needs a page size that is a multiple of 2MiB, got {self.page_size}")
+        if self.max_leased_pages_per_client < -1:
+            raise ValueError("--max-leased-pages-per-client must be -1 (half the arena), 0 (no limit) or a page count, "
+                             f"got {self.max_leased_pages_per_client}")
         if self.tcp and not self.token:
             raise ValueError("--tcp needs a shared token: pass --token-file FILE (clients send it in their first message)")
 
     @property
     def num_pages(self) -> int:
         return self.size // self.page_size
+
+    @property
+    def lease_limit(self) -> int:
+        """Pages one client connection may hold under leases at once (0: unlimited)."""
+        if self.max_leased_pages_per_client == -1:
+            return max(1, self.num_pages // 2)
+        return self.max_leased_pages_per_client
 
     @property
     def arena_path(self) -> str:

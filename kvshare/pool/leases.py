@@ -18,6 +18,7 @@ class Lease:
     client: int
     keys: list[bytes]
     deadline: float
+    pages: int = 0  # pages it pins: counted against its client's lease limit
 
 
 class LeaseTable:
@@ -32,8 +33,8 @@ class LeaseTable:
     def __iter__(self):
         return iter(list(self._leases.values()))
 
-    def new(self, kind: str, client: int, keys: list[bytes], now: float) -> Lease:
-        lease = Lease(self._next_id, kind, client, keys, now + self.timeout)
+    def new(self, kind: str, client: int, keys: list[bytes], now: float, pages: int = 0) -> Lease:
+        lease = Lease(self._next_id, kind, client, keys, now + self.timeout, pages)
         self._next_id += 1
         self._leases[lease.id] = lease
         return lease
@@ -51,6 +52,16 @@ class LeaseTable:
 
     def of_client(self, client: int) -> list[Lease]:
         return [lease for lease in self._leases.values() if lease.client == client]
+
+    def pages_of(self, client: int) -> int:
+        """Pages the client's leases pin now (a chunk under two of its leases counts twice)."""
+        return sum(lease.pages for lease in self._leases.values() if lease.client == client)
+
+    def pages_by_client(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for lease in self._leases.values():
+            out[lease.client] = out.get(lease.client, 0) + lease.pages
+        return out
 
     def count(self, kind: str) -> int:
         return sum(1 for lease in self._leases.values() if lease.kind == kind)

@@ -27,6 +27,7 @@ class ErrorCode:
     UNKNOWN_NAMESPACE = "unknown_namespace"
     UNKNOWN_LEASE = "unknown_lease"  # never existed, already ended, expired, or owned by another connection
     NO_SPACE = "no_space"  # RESERVE could not find enough unleased pages, even after eviction
+    LEASE_LIMIT = "lease_limit"  # RESERVE would take the client past its leased-pages limit (LOOKUP shortens instead)
     INTEGRITY = "integrity"  # debug check failed after a request: a server bug
     INTERNAL = "internal"
 

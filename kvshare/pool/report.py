@@ -24,6 +24,8 @@ def print_stats(stats: PoolStats) -> None:
         ("evictions", f"{stats.evictions} chunks ({format_size(stats.evicted_bytes)})"),
         ("leases", f"{stats.read_leases} read, {stats.write_leases} write; {stats.expired_leases} expired"),
         ("no space", str(stats.no_space)),
+        ("lease limit", f"{stats.max_leased_pages_per_client or 'none'} pages per client; {stats.lease_limited} "
+                        f"refused or shortened; now {stats.leased_pages_by_client or '{}'}"),
         ("committed", format_size(stats.bytes_committed_total)),
         ("clients", str(stats.clients)),
         ("uptime", f"{stats.uptime_s:.0f} s"),

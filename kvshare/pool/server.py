@@ -49,6 +49,7 @@ class PoolServer:
         self.state = PoolState(
             config.num_pages, config.page_size, prepared=0, lease_timeout=config.lease_timeout,
             high_watermark=config.high_watermark, low_watermark=config.low_watermark,
+            max_leased_pages_per_client=config.lease_limit,
         )
         self.latency = LatencyRecorder()
         self.clients = 0
@@ -67,6 +68,7 @@ class PoolServer:
         limit = STREAM_LIMIT
         servers = [await asyncio.start_unix_server(lambda r, w: self._serve(r, w, True), self.config.socket, limit=limit)]
         os.chmod(self.config.socket, 0o660)  # owner and group only
+        set_group(self.config.socket, self.config.group)
         if self.config.tcp:
             host, port = self.config.tcp.rsplit(":", 1)
             servers.append(await asyncio.start_server(lambda r, w: self._serve(r, w, False), host, int(port), limit=limit))
@@ -218,11 +220,29 @@ def prepare_socket(path: str) -> None:
     raise RuntimeError(f"a pool is already serving on {path}: stop it or pass another --socket")
 
 
+def set_group(path: str, group: str) -> None:
+    """Give `path` to `group` (mode stays 0660), so that replicas running as other users of that group can connect
+    and map the arena, and nobody else can."""
+    if not group:
+        return
+    import grp
+
+    try:
+        gid = grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise RuntimeError(f"group {group!r} does not exist: create it or pass another --group") from None
+    try:
+        os.chown(path, -1, gid)
+    except PermissionError:
+        raise RuntimeError(f"cannot give {path} to group {group!r}: the pool's user must be a member of it") from None
+
+
 def serve(config: PoolConfig) -> int:
     """Create the arena, serve until SIGTERM/SIGINT, then remove socket and arena (unless config.keep)."""
     prepare_socket(config.socket)
     arena = Arena.create(config.arena_path, config.num_pages * config.page_size)
     try:
+        set_group(arena.path, config.group)
         asyncio.run(PoolServer(config, arena).run())
     finally:
         arena.close(remove=not config.keep)

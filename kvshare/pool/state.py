@@ -37,8 +37,10 @@ class PoolState:
     def __init__(
         self, num_pages: int, page_size: int, *, prepared: int | None = None, lease_timeout: float = 30.0,
         high_watermark: float = 0.95, low_watermark: float = 0.90, clock=time.monotonic,
+        max_leased_pages_per_client: int = 0,
     ) -> None:
         self.page_size = page_size
+        self.lease_limit = max_leased_pages_per_client  # 0: none; see _within_lease_limit
         self.allocator = PageAllocator(num_pages, num_pages if prepared is None else prepared)
         self.index = ChunkIndex()
         self.leases = LeaseTable(lease_timeout)
@@ -69,13 +71,14 @@ class PoolState:
                 break
             hits.append(entry)
             parent = key
+        hits = self._within_lease_limit(client, hits)
         self._count_lookup(hits, tokens)
         if not hits:
             return LookupReply(0, [])
         for entry in reversed(hits):  # last chunk first: parents stay more recent than children (see eviction.py)
             entry.readers += 1
             self.index.touch(entry)
-        lease = self.leases.new(READ, client, [e.key for e in hits], self.clock())
+        lease = self.leases.new(READ, client, [e.key for e in hits], self.clock(), sum(len(e.pages) for e in hits))
         return LookupReply(lease.id, [ChunkRef(e.key, e.pages, e.nbytes, e.checksum) for e in hits])
 
     def reserve(self, client: int, namespace: bytes, chunks: list[NewChunk]) -> ReserveReply:
@@ -83,6 +86,7 @@ class PoolState:
         self._check_namespace(namespace)
         wanted = self._new_chunks(chunks)
         needed = sum(self._pages_for(c.nbytes) for c in wanted)
+        self._check_lease_limit(client, needed)
         self._make_room(needed)
         if needed > self.allocator.free_count:
             self.counters["no_space"] += 1
@@ -93,7 +97,7 @@ class PoolState:
             )
         if not wanted:
             return ReserveReply(0, [None] * len(chunks))
-        lease = self.leases.new(WRITE, client, [c.key for c in wanted], self.clock())
+        lease = self.leases.new(WRITE, client, [c.key for c in wanted], self.clock(), needed)
         refs: dict[bytes, ChunkRef] = {}
         for c in wanted:
             pages = self.allocator.allocate(self._pages_for(c.nbytes))
@@ -179,6 +183,33 @@ class PoolState:
                 wanted.append(c)
         return wanted
 
+    # Per-client lease limit: one replica must not pin the whole arena (a stalled or leaking client would otherwise
+    # leave every other replica with NO_SPACE until its leases time out). LOOKUP answers the longest prefix that
+    # fits in the client's remaining budget (a shorter hit is still correct, and the client recomputes the rest);
+    # RESERVE is all or nothing, so it is refused with LEASE_LIMIT before anything is evicted.
+
+    def _within_lease_limit(self, client: int, hits: list[Entry]) -> list[Entry]:
+        if not self.lease_limit or not hits:
+            return hits
+        budget = self.lease_limit - self.leases.pages_of(client)
+        for n, entry in enumerate(hits):
+            budget -= len(entry.pages)
+            if budget < 0:
+                self.counters["lease_limited"] += 1
+                return hits[:n]
+        return hits
+
+    def _check_lease_limit(self, client: int, needed: int) -> None:
+        held = self.leases.pages_of(client)
+        if self.lease_limit and needed and held + needed > self.lease_limit:
+            self.counters["lease_limited"] += 1
+            raise RequestError(
+                ErrorCode.LEASE_LIMIT,
+                f"lease limit: this connection holds {held} leased pages and RESERVE needs {needed} more, over the "
+                f"limit of {self.lease_limit} pages per client; COMMIT or RELEASE leases first, store less per "
+                "RESERVE, or raise --max-leased-pages-per-client",
+            )
+
     def _make_room(self, needed: int) -> None:
         goal = eviction.pages_to_free(self.allocator, needed, self.high, self.low)
         if goal:
@@ -211,12 +242,15 @@ class PoolState:
             miss_tokens=c["miss_tokens"], verify_failures=c["verify_failures"], evictions=c["evictions"],
             evicted_bytes=c["evicted_bytes"], read_leases=self.leases.count(READ),
             write_leases=self.leases.count(WRITE), expired_leases=c["expired_leases"], no_space=c["no_space"],
+            max_leased_pages_per_client=self.lease_limit, leased_pages_by_client=self.leases.pages_by_client(),
+            lease_limited=c["lease_limited"],
         )
 
     def check_integrity(self) -> None:
         """Raise IntegrityError unless: every page is exactly one of unprepared/free/reserved/committed, no page is
         in two chunks, page counters match, every reserved chunk belongs to a live write lease, and every chunk's
-        reader count equals the read leases that hold it."""
+        reader count equals the read leases that hold it, and
+        every lease's page count equals the pages of its chunks (the per-client limit is computed from those)."""
         a, i = self.allocator, self.index
         owner: dict[int, str] = {}
 
@@ -238,6 +272,9 @@ class PoolState:
         readers = Counter()
         writers: dict[bytes, int] = {}
         for lease in self.leases:
+            table = i.committed if lease.kind == READ else i.reserved
+            pinned = sum(len(table[k].pages) for k in lease.keys if k in table)
+            _require(lease.pages == pinned, f"lease {lease.id} counts {lease.pages} pages but pins {pinned}")
             for key in lease.keys:
                 if lease.kind == READ:
                     _require(key in i.committed, f"read lease {lease.id} holds a chunk that is not committed")

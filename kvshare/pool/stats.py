@@ -44,6 +44,9 @@ class PoolStats(msgspec.Struct):
     write_leases: int = 0
     expired_leases: int = 0
     no_space: int = 0  # RESERVE answers "no space"
+    max_leased_pages_per_client: int = 0  # 0: no limit
+    leased_pages_by_client: dict[int, int] = {}  # connection id -> pages its leases pin now
+    lease_limited: int = 0  # LOOKUPs shortened and RESERVEs refused by the per-client limit
     clients: int = 0
     uptime_s: float = 0.0
     requests: dict[str, RequestStats] = {}

@@ -16,6 +16,7 @@ from kvshare.pool.client import PoolClient, PoolUnavailable
 _FLAGS = {  # start_pool keyword -> serve flag
     "page_size": "--page-size", "lease_timeout": "--lease-timeout", "high_watermark": "--high-watermark",
     "low_watermark": "--low-watermark", "tcp": "--tcp", "token_file": "--token-file", "arena": "--arena",
+    "max_leased_pages_per_client": "--max-leased-pages-per-client", "group": "--group",
 }
 
 
@@ -28,7 +29,8 @@ def start_pool(
 
     Waits until the pool answers (and, with wait_ready, until every page is prepared). On exit: SIGTERM, wait,
     SIGKILL if needed, and remove the arena file even if the server was killed. `opts` are serve flags by name
-    (page_size=, lease_timeout=, high_watermark=, low_watermark=, tcp=, token_file=, arena=).
+    (page_size=, lease_timeout=, high_watermark=, low_watermark=, tcp=, token_file=, arena=,
+    max_leased_pages_per_client=, group=).
     `check_integrity` makes the server verify its bookkeeping after every request (tests want that).
     """
     with tempfile.TemporaryDirectory(prefix="kvshare-pool-") as tmp:

@@ -93,7 +93,8 @@ def test_oversized_frame_closes_only_that_connection(pool_server):
 
 
 def test_full_arena_with_everything_leased_answers_no_space_at_once():
-    with start_pool("8MiB", page_size=PAGE) as (address, _process):
+    # No per-client lease limit here: this test is about one client pinning the whole arena.
+    with start_pool("8MiB", page_size=PAGE, max_leased_pages_per_client=0) as (address, _process):
         with PoolClient.connect(address) as holder, PoolClient.connect(address) as other:
             holder.hello(NS)
             keys, tokens = prompt(8)

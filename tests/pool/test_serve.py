@@ -21,7 +21,7 @@ SERVE = [sys.executable, "-m", "kvshare.cli", "pool", "serve"]
 
 
 def test_full_pool_check_on_a_small_pool():
-    with start_pool("64MiB", page_size=PAGE) as (address, _process):
+    with start_pool("64MiB", page_size=PAGE, max_leased_pages_per_client=0) as (address, _process):
         with PoolClient.connect(address) as client:
             result = check_pool(client)
             assert result.ok and result.pages == 64 and result.bytes_checked == 64 * PAGE
@@ -30,7 +30,7 @@ def test_full_pool_check_on_a_small_pool():
 
 def test_check_finds_a_corrupted_page():
     """The check can fail: one byte flipped between write and verify is reported, with its page."""
-    with start_pool("8MiB", page_size=PAGE) as (address, _process):
+    with start_pool("8MiB", page_size=PAGE, max_leased_pages_per_client=0) as (address, _process):
         with PoolClient.connect(address) as client:
 
             def flip_one_byte(pages):
