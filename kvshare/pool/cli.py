@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvshare.pool.l2 import cli as l2_cli
+
 SERVE_HELP = """Run the shared host-memory KV pool: create the arena file, prepare its memory in the background
 (the pool serves at once; usable capacity grows until a "ready" line is printed), and answer the control protocol
 on a Unix socket. SIGTERM or SIGINT shut it down and remove the socket and arena (unless --keep)."""
@@ -38,6 +40,7 @@ def register(cli) -> None:
     serve.add_argument("--keep", action="store_true", help="keep the socket and arena files at shutdown")
     serve.add_argument("--check-integrity", action="store_true", help="debug: verify the pool's bookkeeping after "
                        "every request that changes it (slow for big pools)")
+    l2_cli.add_flags(serve)
     serve.set_defaults(run=_serve)
 
     stats = cli.command("stats", "print a running pool's statistics", group="pool")
@@ -59,6 +62,7 @@ def register(cli) -> None:
     bench.add_argument("--json", default="", metavar="PATH", help="also write the results as JSON")
     bench.add_argument("--no-redis", action="store_true", help="skip the Redis comparison")
     bench.set_defaults(run=_bench)
+    l2_cli.register(cli)  # kvshare pool bench-l2
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -74,7 +78,7 @@ def _serve(args: argparse.Namespace) -> int:
             hugetlb=args.hugetlb, tcp=args.tcp, token=token, lease_timeout=args.lease_timeout,
             high_watermark=args.high_watermark, low_watermark=args.low_watermark, keep=args.keep,
             check_integrity=args.check_integrity, group=args.group,
-            max_leased_pages_per_client=args.max_leased_pages_per_client,
+            max_leased_pages_per_client=args.max_leased_pages_per_client, l2=l2_cli.config_from(args),
         )
         return serve(config)
     except (ValueError, ArenaError, RuntimeError, OSError) as error:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from kvshare.pool.l2.config import L2Config
+
 MiB = 1 << 20
 DEFAULT_PAGE_SIZE = 2 * MiB
 DEFAULT_MAX_FRAME = 64 * MiB  # a 256k-token LOOKUP carries ~1 MiB of tokens; 64x headroom
@@ -26,6 +28,7 @@ class PoolConfig:
     max_frame: int = DEFAULT_MAX_FRAME
     check_integrity: bool = False  # debug: run check_integrity() after every request that changes state
     prepare_threads: int = 0  # 0 -> min(os.cpu_count(), 16)
+    l2: L2Config | None = None  # --l2 and the --l2-* flags; None: no L2 tier
     max_leased_pages_per_client: int = -1  # -1 -> half the arena; 0 -> no limit
     group: str = ""  # group that owns the socket and arena (both mode 0660); "" -> the user's primary group
 

@@ -27,6 +27,8 @@ def print_stats(stats: PoolStats) -> None:
         ("lease limit", f"{stats.max_leased_pages_per_client or 'none'} pages per client; {stats.lease_limited} "
                         f"refused or shortened; now {stats.leased_pages_by_client or '{}'}"),
         ("committed", format_size(stats.bytes_committed_total)),
+        ("L2 written", f"{stats.l2_writes} chunks; {stats.l2_write_drops} dropped, {stats.l2_errors} Redis errors"),
+        ("L2 read", f"{stats.l2_hits} hits, {stats.l2_promotions} promoted, {stats.l2_rejected} rejected"),
         ("clients", str(stats.clients)),
         ("uptime", f"{stats.uptime_s:.0f} s"),
     ]

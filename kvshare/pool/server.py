@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import itertools
 import logging
 import os
@@ -57,6 +58,7 @@ class PoolServer:
         self._ids = itertools.count(1)
         self.instance = os.urandom(8).hex()  # identity only, never a key: clients tell pool lives apart by it
         self._stop = asyncio.Event()
+        self.l2 = None  # the L2Tier (kvshare.pool.l2), started in run() when config.l2 is set
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -78,8 +80,16 @@ class PoolServer:
         started = time.monotonic()
         self.arena.prepare(self.config.threads, lambda n: self._from_preparer(loop, n, started))
         expiry = asyncio.create_task(self._expire_leases())
+        if self.config.l2 is not None:
+            from kvshare.pool.l2.tier import L2Tier  # lazy: redis-py is needed only with --l2
+
+            self.l2 = L2Tier(self.config.l2, self.state, self.arena.path, self.config.page_size,
+                             self.config.num_pages, loop)
+            announce(f"L2 {self.config.l2.url} ({'cluster' if self.config.l2.cluster else 'standalone'})")
         await self._stop.wait()
         expiry.cancel()
+        if self.l2 is not None:
+            self.l2.close()
         for server in servers:
             server.close()
         announce("shutting down")
@@ -114,7 +124,7 @@ class PoolServer:
                     if length > self.config.max_frame:
                         raise CloseConnection(p.ErrorCode.TOO_LARGE, f"frame of {length} bytes exceeds the limit of "
                                               f"{self.config.max_frame}: send smaller requests (split the key list)")
-                    reply = self._handle(conn, await reader.readexactly(length))
+                    reply = await self._handle(conn, await reader.readexactly(length))
                 except CloseConnection as close:
                     writer.write(p.frame(p.Error(*close.args)))
                     await writer.drain()
@@ -128,7 +138,7 @@ class PoolServer:
             self.state.drop_client(conn.id)  # I8
             writer.close()
 
-    def _handle(self, conn: Connection, body: bytes) -> p.Reply:
+    async def _handle(self, conn: Connection, body: bytes) -> p.Reply:
         """One request -> one reply; every failure becomes an Error reply."""
         started = time.perf_counter()
         kind = "malformed"
@@ -136,6 +146,8 @@ class PoolServer:
             request = p.request_decoder.decode(body)
             kind = type(request).__name__.lower()
             reply = self._dispatch(conn, request)
+            if inspect.isawaitable(reply):  # a LOOKUP waiting for L2 promotion (bounded; the loop serves others)
+                reply = await reply
             if self.config.check_integrity and isinstance(request, MUTATING):
                 self.state.check_integrity()
         except msgspec.DecodeError as error:
@@ -172,11 +184,15 @@ class PoolServer:
                     tokens = request.token_list()
                 except ValueError as error:
                     raise RequestError(p.ErrorCode.BAD_REQUEST, f"LOOKUP: {error}") from None
+                if self.l2 is not None:
+                    return self.l2.lookup(conn.id, namespace, keys, tokens)  # awaited by _handle
                 return s.lookup(conn.id, namespace, keys, tokens)
             case p.Reserve(namespace, chunks):
                 return s.reserve(conn.id, namespace, chunks)
             case p.Commit(lease, checksums):
-                s.commit(conn.id, lease, checksums)
+                entries = s.commit(conn.id, lease, checksums)
+                if self.l2 is not None:
+                    self.l2.after_commit(entries)  # write-behind: enqueue only, never waits for L2
                 return p.Ok()
             case p.Release(lease):
                 s.release(conn.id, lease)
@@ -194,6 +210,8 @@ class PoolServer:
     def _stats(self):
         stats = self.state.stats()
         stats.clients = self.clients
+        if self.l2 is not None:
+            self.l2.fill(stats)
         stats.uptime_s = time.monotonic() - self.started
         stats.requests = self.latency.snapshot()
         return stats

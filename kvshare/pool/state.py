@@ -105,7 +105,8 @@ class PoolState:
             refs[c.key] = ChunkRef(c.key, pages, c.nbytes, 0)
         return ReserveReply(lease.id, [refs.pop(c.key, None) for c in chunks])
 
-    def commit(self, client: int, lease_id: int, checksums: list[int]) -> None:
+    def commit(self, client: int, lease_id: int, checksums: list[int]) -> list[Entry]:
+        """Publish the lease's chunks; returns their entries (the L2 tier writes them behind)."""
         lease = self._lease(client, lease_id, "COMMIT")
         if lease.kind != WRITE:
             raise RequestError(ErrorCode.BAD_REQUEST, f"lease {lease_id} is a read lease: COMMIT needs a RESERVE lease")
@@ -116,9 +117,12 @@ class PoolState:
             )
         self.leases.pop(lease_id)
         # Last chunk first, so each parent ends more recent than its children (see eviction.py).
+        entries = []
         for key, checksum in reversed(list(zip(lease.keys, checksums))):
             entry = self.index.commit(key, checksum)
             self.counters["bytes_committed_total"] += entry.nbytes
+            entries.append(entry)
+        return entries[::-1]
 
     def release(self, client: int, lease_id: int) -> None:
         self._end(self._lease(client, lease_id, "RELEASE"))

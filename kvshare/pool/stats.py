@@ -47,6 +47,12 @@ class PoolStats(msgspec.Struct):
     max_leased_pages_per_client: int = 0  # 0: no limit
     leased_pages_by_client: dict[int, int] = {}  # connection id -> pages its leases pin now
     lease_limited: int = 0  # LOOKUPs shortened and RESERVEs refused by the per-client limit
+    l2_writes: int = 0  # chunks written behind to L2
+    l2_write_drops: int = 0  # write-behinds not written: queue full, L2 down or failing, arena bytes != checksum
+    l2_errors: int = 0  # failed Redis calls (timeout, connection, OOM, cluster errors)
+    l2_hits: int = 0  # chunks found in L2 and verified during LOOKUPs
+    l2_promotions: int = 0  # chunks copied from L2 into L1
+    l2_rejected: int = 0  # L2 values refused on promotion (bad checksum, header, tokens or parent)
     clients: int = 0
     uptime_s: float = 0.0
     requests: dict[str, RequestStats] = {}

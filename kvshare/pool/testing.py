@@ -17,6 +17,8 @@ _FLAGS = {  # start_pool keyword -> serve flag
     "page_size": "--page-size", "lease_timeout": "--lease-timeout", "high_watermark": "--high-watermark",
     "low_watermark": "--low-watermark", "tcp": "--tcp", "token_file": "--token-file", "arena": "--arena",
     "max_leased_pages_per_client": "--max-leased-pages-per-client", "group": "--group",
+    "l2": "--l2", "l2_ttl": "--l2-ttl", "l2_queue": "--l2-queue", "l2_timeout": "--l2-timeout",
+    "l2_promote_timeout": "--l2-promote-timeout", "l2_retry_after": "--l2-retry-after",
 }
 
 

@@ -1,0 +1,60 @@
+"""The `--l2*` flags of `kvshare pool serve` and the `kvshare pool bench-l2` command (registered by kvshare.pool.cli).
+
+Imports nothing heavy: `kvshare --help` loads this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+MEMORY_POLICY = ("configure Redis with maxmemory and maxmemory-policy allkeys-lru: L2 is a cache of values that can "
+                 "all be recomputed, so the least recently used chunk should make room (with noeviction a full Redis "
+                 "refuses every write-behind)")
+
+
+def add_flags(serve: argparse.ArgumentParser) -> None:
+    g = serve.add_argument_group("L2 tier (Valkey/Redis shared by several hosts' pools)", MEMORY_POLICY)
+    g.add_argument("--l2", default="", metavar="redis://HOST:PORT[,HOST:PORT,...]", help="write committed chunks "
+                   "behind to Redis and promote L2 hits into this pool on LOOKUP; several nodes: a Redis cluster")
+    g.add_argument("--l2-ttl", type=float, default=0.0, metavar="SECONDS", help="expiry of chunks in L2 (default 0: "
+                   "none, Redis evicts by its maxmemory-policy)")
+    g.add_argument("--l2-queue", type=int, default=256, metavar="N", help="write-behind queue length in chunks; when "
+                   "full, write-behinds are dropped and counted (default 256)")
+    g.add_argument("--l2-timeout", type=float, default=0.5, metavar="SECONDS", help="timeout of every Redis call "
+                   "(default 0.5)")
+    g.add_argument("--l2-promote-timeout", type=float, default=1.0, metavar="SECONDS", help="how long a LOOKUP waits "
+                   "for L2 promotion before answering with L1 only (default 1; keep below the clients' timeout)")
+    g.add_argument("--l2-retry-after", type=float, default=2.0, metavar="SECONDS", help="after 3 failed Redis calls, "
+                   "skip L2 for this long, then try again (default 2)")
+
+
+def config_from(args: argparse.Namespace):
+    """The L2Config the flags describe, or None without --l2."""
+    if not args.l2:
+        return None
+    from kvshare.pool.l2.config import L2Config
+
+    return L2Config(url=args.l2, ttl=args.l2_ttl, queue=args.l2_queue, timeout=args.l2_timeout,
+                    promote_timeout=args.l2_promote_timeout, retry_after=args.l2_retry_after)
+
+
+def register(cli) -> None:
+    bench = cli.command("bench-l2", "L2 store/promote throughput on loopback Redis next to the pool's L1 figures, "
+                        "and the network arithmetic for a 128k-token prefix", group="pool")
+    bench.add_argument("--chunk-size", default="8MiB", help="bytes per chunk (default 8MiB)")
+    bench.add_argument("--chunks", type=int, default=32, help="chunks per pass (default 32)")
+    bench.add_argument("--repeats", type=int, default=3, help="timed passes; the best is reported (default 3)")
+    bench.add_argument("--cluster", action="store_true", help="also measure a three-master loopback cluster")
+    bench.add_argument("--json", default="", metavar="PATH", help="write the results as JSON")
+    bench.add_argument("--md", default="", metavar="PATH", help="write the results as a Markdown table")
+    bench.set_defaults(run=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kvshare.pool.l2.bench import L2BenchConfig, run_bench
+    from kvshare.units import parse_size
+
+    config = L2BenchConfig(chunk_bytes=parse_size(args.chunk_size), chunks=args.chunks, repeats=args.repeats,
+                           cluster=args.cluster, command=" ".join(["kvshare", *sys.argv[1:]]))
+    return run_bench(config, json_path=args.json, md_path=args.md)
