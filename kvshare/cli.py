@@ -15,6 +15,7 @@ COMMAND_MODULES = (
     "kvshare.engine.cli",  # kvshare serve, kvshare make-model
     "kvshare.router.cli",  # kvshare route
     "kvshare.bench.cli",  # kvshare bench cross-replica|sessions, kvshare demo, kvshare validate service
+    "kvshare.validate.cli",  # kvshare validate soak
 )
 GROUPS = {
     "pool": "the shared host-memory KV pool",

@@ -1,0 +1,1 @@
+"""End-to-end validation under faults: the soak (`kvshare validate soak`)."""

@@ -1,0 +1,43 @@
+"""`kvshare validate soak`: flags map one to one onto SoakConfig; the handler imports lazily."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(cli) -> None:
+    soak = cli.command("soak", "end-to-end soak under faults: pool + two replicas + router + tiny model on CPU; every "
+                       "answer checked against a cache-OFF reference, leaks checked at the end", group="validate")
+    soak.add_argument("--minutes", type=float, default=10.0, help="how long requests are sent (default 10)")
+    soak.add_argument("--fault-period", type=float, default=15.0, metavar="S", help="seconds between faults")
+    soak.add_argument("--workers", type=int, default=2, help="concurrent clients (default 2)")
+    soak.add_argument("--seed", type=int, default=0)
+    soak.add_argument("--model", default="", help="model folder (default: a generated tiny model)")
+    soak.add_argument("--pool-size", default="8MiB", help="arena size: small, so that it fills (default 8MiB)")
+    soak.add_argument("--lease-timeout", type=float, default=4.0, metavar="S", help="the pool's lease timeout")
+    soak.add_argument("--log-dir", default="", help="keep the processes' logs here (default: a temp dir)")
+    soak.add_argument("--json", default="", metavar="PATH", help="write the result as JSON")
+    soak.add_argument("--markdown", default="", metavar="PATH", help="write a short report as Markdown")
+    soak.set_defaults(run=_soak)
+
+
+def _soak(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from kvshare.validate.soak import SoakConfig, markdown, run_soak
+
+    config = SoakConfig(minutes=args.minutes, fault_period_s=args.fault_period, workers=args.workers, seed=args.seed,
+                        model_dir=args.model, pool_size=args.pool_size, lease_timeout_s=args.lease_timeout,
+                        log_dir=args.log_dir)
+    result = run_soak(config)
+    command = " ".join(["kvshare", *sys.argv[1:]])
+    report = markdown(result, command)
+    print(report)
+    if args.json:
+        with open(args.json, "wb") as f:
+            f.write(msgspec.json.format(msgspec.json.encode({"passed": result.passed, **msgspec.to_builtins(result)})) + b"\n")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(report)
+    return 0 if result.passed else 1
