@@ -1,0 +1,136 @@
+"""Hostile input to the pool: hypothesis drives (1) PoolState with random sequences of valid-shaped and malformed
+requests from two clients, with time passing, and (2) the server's frame handler with random and near-valid
+msgpack bodies. After every step the full integrity check must pass and no request may crash a handler.
+(tests/pool/test_faults.py fuzzes frames over a socket; this goes wider, in process.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvshare.pool.protocol import NewChunk
+from kvshare.pool.state import PoolState, RequestError
+
+from .pool_harness import NAMESPACE, Harness, encode
+
+KEYS = [xxhash.xxh3_128_digest(f"key-{i}".encode()) for i in range(8)]
+OTHER_NS = xxhash.xxh3_128_digest(b"other")
+TOKENS = [bytes([i]) * 4 * (i + 1) for i in range(8)]
+
+keys = st.one_of(st.sampled_from(KEYS), st.binary(max_size=20))  # mostly real keys, sometimes malformed
+namespaces = st.one_of(st.just(NAMESPACE), st.just(OTHER_NS), st.binary(max_size=20))
+new_chunk = st.builds(
+    lambda i, parent, key, tokens, nbytes: NewChunk(key if key is not None else KEYS[i],
+                                                    parent if parent is not None else (KEYS[i - 1] if i else NAMESPACE),
+                                                    tokens if tokens is not None else TOKENS[i], nbytes),
+    st.integers(0, 7), st.none() | keys, st.none() | keys, st.none() | st.binary(max_size=9),
+    st.integers(-5, 5 * 4096) | st.integers(-(2**63), 2**63 - 1),
+)
+lease_ids = st.integers(0, 12) | st.integers(-(2**63), 2**64 - 1)
+clients = st.integers(1, 2)
+ops = st.one_of(
+    st.tuples(st.just("hello"), namespaces),
+    st.tuples(st.just("lookup"), clients, namespaces, st.integers(0, 8), st.booleans()),
+    st.tuples(st.just("reserve"), clients, namespaces, st.lists(new_chunk, max_size=6)),
+    st.tuples(st.just("commit"), clients, lease_ids, st.lists(st.integers(0, 2**64 - 1), max_size=7)),
+    st.tuples(st.just("release"), clients, lease_ids),
+    st.tuples(st.just("time"), st.floats(0, 20)),
+    st.tuples(st.just("drop"), clients),
+    st.tuples(st.just("prepare"), st.integers(0, 16)),
+    st.tuples(st.just("clear")),
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def apply(state: PoolState, clock: Clock, op: tuple) -> None:
+    match op:
+        case ("hello", ns):
+            state.hello(ns, "fuzz")
+        case ("lookup", client, ns, n, corrupt):
+            tokens = [t + b"x" if corrupt and i == n - 1 else t for i, t in enumerate(TOKENS[:n])]
+            state.lookup(client, ns, KEYS[:n], tokens)
+        case ("reserve", client, ns, chunks):
+            state.reserve(client, ns, chunks)
+        case ("commit", client, lease, checksums):
+            state.commit(client, lease, checksums)
+        case ("release", client, lease):
+            state.release(client, lease)
+        case ("time", dt):
+            clock.now += dt
+            state.expire()
+        case ("drop", client):
+            state.drop_client(client)
+        case ("prepare", upto):
+            state.allocator.add_prepared(max(upto, state.allocator.prepared))
+        case ("clear",):
+            state.clear()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(ops, min_size=1, max_size=40), st.integers(0, 6))
+def test_random_request_sequences_keep_pool_state_consistent(sequence, lease_limit):
+    clock = Clock()
+    state = PoolState(12, 4096, prepared=6, lease_timeout=5.0, clock=clock, max_leased_pages_per_client=lease_limit)
+    state.hello(NAMESPACE, "fuzz")
+    for op in sequence:
+        pages_before = state.allocator.free_count
+        try:
+            apply(state, clock, op)
+        except RequestError as error:
+            assert error.message and error.code
+            # a refused request changes nothing (RESERVE may have evicted only if it went on to succeed)
+            assert state.allocator.free_count == pages_before or op[0] != "reserve"
+        state.check_integrity()
+        if lease_limit:
+            assert all(n <= lease_limit for n in state.leases.pages_by_client().values())
+    for client in (1, 2):
+        state.drop_client(client)
+    state.check_integrity()
+    assert state.stats().pages_reserved == 0 and len(state.leases) == 0  # nothing outlives its clients (I8)
+
+
+# ---- the server's handler: bytes in, exactly one reply out -------------------------------------------------------
+
+TYPES = ["Attach", "Hello", "Lookup", "Reserve", "Commit", "Release", "Stats", "Clear", "Health", "Nope", 5]
+values = st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.binary(max_size=40)
+                      | st.text(max_size=10) | st.sampled_from(KEYS + [NAMESPACE]),
+                      lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                      max_leaves=20)
+FIELDS = ["namespace", "keys", "tokens", "token_lengths", "chunks", "lease", "checksums", "deep", "token", "pid"]
+near_valid = st.builds(lambda t, fields: encode({"type": t, **fields}), st.sampled_from(TYPES),
+                       st.dictionaries(st.sampled_from(FIELDS), values, max_size=5))
+
+
+@pytest.fixture(scope="module")
+def harness():
+    h = Harness()
+    yield h
+    h.close()
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(bodies=st.lists(st.tuples(near_valid | st.binary(max_size=64), clients), min_size=1, max_size=10))
+def test_handler_answers_any_body_with_one_reply(harness, bodies):
+    for body, client in bodies:
+        harness.handle(body, client)
+    harness.drop(1)
+    harness.drop(2)
+
+
+def test_atheris_fuzzes_the_handler():
+    pytest.importorskip("atheris")
+    out = subprocess.run([sys.executable, "-m", "tests.reliability.fuzz_pool_atheris", "-runs=20000"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
