@@ -38,21 +38,27 @@ class Promoter:
         self.batch_bytes = batch_bytes
 
     async def promote(self, namespace: bytes, keys: list[bytes], tokens: list[bytes], parent: bytes) -> int:
-        """Promote L2 hits for `keys` (which follow the L1 prefix ending at `parent`); returns how many committed."""
+        """Promote L2 hits for `keys` (which follow the L1 prefix ending at `parent`); returns how many committed.
+
+        The GET of the next batch runs while the current batch is installed (two batches of memory at most). The first
+        batch is one chunk, which tells the chunk size; later ones fill batch_bytes."""
         loop = asyncio.get_running_loop()
-        done, batch = 0, 1  # the first GET learns the chunk size; later batches fill batch_bytes
-        while done < len(keys):
-            names = keys[done : done + batch]
-            found, complete = await loop.run_in_executor(
-                self.executor, self._fetch, namespace, names, tokens[done : done + batch], parent)
+
+        def fetch(start: int, count: int, parent: bytes):
+            end = min(len(keys), start + count)
+            return loop.run_in_executor(self.executor, self._fetch, namespace, keys[start:end], tokens[start:end],
+                                        parent)
+
+        done, pending = 0, fetch(0, 1, parent)
+        while pending is not None:
+            found, complete = await pending
+            pending = None
+            if complete and done + len(found) < len(keys):
+                batch = max(1, self.batch_bytes // found[0][0].nbytes)
+                pending = fetch(done + len(found), batch, found[-1][0].key)
             if found and not await self._install(loop, namespace, found):
-                break
-            if found:
-                parent = found[-1][0].key
+                break  # no room in L1; a prefetched batch is dropped
             done += len(found)
-            if not complete:
-                break
-            batch = max(1, self.batch_bytes // found[0][0].nbytes)
         return done
 
     def _fetch(self, namespace: bytes, keys: list[bytes], tokens: list[bytes], parent: bytes):
