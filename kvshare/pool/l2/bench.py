@@ -313,6 +313,18 @@ def markdown(r: L2BenchResult) -> str:
     for p in r.prefix:
         lines.append(f"| {p.link_gbit_s} Gb/s | {p.wire_s:.1f} s | {p.measured_s:.1f} s | {p.serial_s:.1f} s | "
                      f"{p.overlapped_s:.1f} s |")
+    standalone = r.backends[0]
+    lines += [
+        "", "Reading: L2 pays for a prefix only if promotion beats recompute: "
+        f"{r.prefix_bytes / GiB:g} GiB / {r.recompute_s:.0f} s = {r.prefix_bytes / r.recompute_s / 1e9:.2f} GB/s is "
+        "the break-even rate, and a 100 Gb/s link alone would allow 12.5 GB/s. Here promotion runs at "
+        f"{standalone.l2_promote_gb_s:.2f} GB/s, close to plain redis-py GET ({standalone.redis_get_gb_s:.2f} GB/s) "
+        "under a Redis server that delivers at most "
+        + ("n/a" if standalone.raw_get_gb_s is None else f"{standalone.raw_get_gb_s:.2f} GB/s")
+        + " to a client that parses nothing: the store and its client, not the network and not kvshare's own "
+        "work (verification, arena copies), set the pace. Measure again on the deployment's hosts before relying on "
+        "L2 for long prefixes; on this shared machine it serves short prefixes and small models.",
+    ]
     return "\n".join(lines) + "\n"
 
 
