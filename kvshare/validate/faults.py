@@ -86,7 +86,9 @@ class Injector:
             with httpx.stream("POST", f"{self.d.url(name)}/v1/completions", json=body, timeout=60,
                               trust_env=False) as response:
                 for line in response.iter_lines():
-                    got += line.startswith("data: ")
+                    if not line.startswith("data: "):
+                        continue  # the blank lines between SSE events
+                    got += 1
                     if got == 3:
                         self.d.kill_replica(name)
                         self.lost_by_injector += 1
