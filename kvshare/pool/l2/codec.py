@@ -52,7 +52,9 @@ def encode_parts(header: Header, parts) -> bytes:
     return b"".join([_LENGTH.pack(len(head)), head, *parts])
 
 
-def decode_verified(value: bytes, namespace: bytes, key: bytes, parent: bytes, tokens: bytes) -> tuple[Header, memoryview]:
+def decode_verified(
+    value: bytes, namespace: bytes, key: bytes, parent: bytes, tokens: bytes,
+) -> tuple[Header, memoryview]:
     """(header, payload) of a value that is exactly the chunk asked for, intact; raises Rejected otherwise."""
     view = memoryview(value)
     try:

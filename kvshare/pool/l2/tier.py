@@ -81,7 +81,8 @@ class L2Tier:
     def _pin(self, keys: list[bytes]) -> int:
         """An internal read lease on committed chunks, without deadline: it ends only by _unpin."""
         entries = [self.state.index.committed[key] for key in keys]
-        lease = self.state.leases.new(READ, INTERNAL_CLIENT, keys, self.state.clock(), sum(len(e.pages) for e in entries))
+        pages = sum(len(e.pages) for e in entries)
+        lease = self.state.leases.new(READ, INTERNAL_CLIENT, keys, self.state.clock(), pages)
         lease.deadline = math.inf
         for entry in entries:
             entry.readers += 1
