@@ -66,7 +66,7 @@ def free_port() -> int:
 class Replica:
     """One `vllm serve` subprocess (its own process group, so stopping it stops its engine and worker too)."""
 
-    def __init__(self, name: str, model: Path, log_dir: Path, pool: str | None):
+    def __init__(self, name: str, model: Path, log_dir: Path, pool: str | None, extra_args: tuple[str, ...] = ()):
         self.name, self.model, self.port = name, str(model), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"vllm-{name}.log"
@@ -78,6 +78,7 @@ class Replica:
         ]
         if pool is not None:
             command += ["--kv-transfer-config", kv_transfer_config(pool)]
+        command += extra_args
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                             env={**os.environ, **VLLM_ENV}, start_new_session=True)
