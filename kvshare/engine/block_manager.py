@@ -35,6 +35,12 @@ def block_hash(parent: int | None, token_ids: Iterable[int]) -> int:
     return xxhash.xxh3_64_intdigest(prefix + token_bytes(list(token_ids)))
 
 
+def chain_root(salt: str) -> int | None:
+    """The parent of a sequence's first block: tenants with different cache salts never share local blocks either
+    (a shared block would leak, through timing, that another tenant sent the same prefix)."""
+    return None if not salt else xxhash.xxh3_64_intdigest(b"kvshare/salt\0" + salt.encode())
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int):
         self.block_size = block_size
@@ -55,7 +61,7 @@ class BlockManager:
 
     def _cached_prefix(self, seq: Sequence, max_tokens: int) -> list[int]:
         """Block ids holding the longest verified cached prefix of seq's tokens, at most max_tokens tokens."""
-        hits, parent, bs = [], None, self.block_size
+        hits, parent, bs = [], chain_root(seq.salt), self.block_size
         for i in range(max_tokens // bs):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             parent = block_hash(parent, tokens)
@@ -80,7 +86,7 @@ class BlockManager:
             self._take(block_id)
         seq.block_table = hits + [self._take_free() for _ in range(self.blocks_for(seq.num_tokens) - len(hits))]
         seq.num_hashed_blocks = len(hits)
-        seq.last_block_hash = self.blocks[hits[-1]].hash if hits else None
+        seq.last_block_hash = self.blocks[hits[-1]].hash if hits else chain_root(seq.salt)
         return len(hits) * self.block_size
 
     def can_append(self, seq: Sequence) -> bool:
@@ -106,7 +112,7 @@ class BlockManager:
         """Drop seq's hold on its blocks (tail first, see the module docstring) and clear its table."""
         self.release(reversed(seq.block_table))
         seq.block_table = []
-        seq.num_hashed_blocks, seq.last_block_hash = 0, None
+        seq.num_hashed_blocks, seq.last_block_hash = 0, chain_root(seq.salt)
 
     def hold(self, block_ids: Iterable[int]) -> None:
         """An extra holder (a pending store) for blocks that are in use now."""

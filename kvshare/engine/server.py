@@ -38,6 +38,7 @@ ENDPOINTS = (COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics")
 class TokenizerProtocol(Protocol):
     eos_token_ids: tuple[int, ...]
     vocab_size: int
+    max_token_chars: int  # characters of the longest token (bounds the token count of a text from below)
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -108,8 +109,18 @@ class _Validator:
                               temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                               stop_token_ids=stop_ids, ignore_eos=body.ignore_eos)
 
+    def refuse_hopeless_text(self, chars: int, param: str) -> None:
+        """A text longer than max_model_len * max_token_chars characters cannot fit: refuse it before tokenizing,
+        which for megabytes of text would hold the process for seconds."""
+        limit = self.engine.max_model_len * self.tokenizer.max_token_chars
+        if chars > limit:
+            raise ApiError(400, f"the prompt has {chars} characters, more than the model's maximum context length of "
+                                f"{self.engine.max_model_len} tokens can hold (at most {limit} characters); send a "
+                                "shorter prompt", param=param)
+
     def completion_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            self.refuse_hopeless_text(len(prompt), "prompt")
             ids = self.tokenizer.encode(prompt) if prompt else []
         else:
             ids = list(prompt)
@@ -122,6 +133,7 @@ class _Validator:
         if not messages:
             raise ApiError(400, "messages is empty; send at least one message", param="messages")
         plain = [{"role": m.role, "content": _message_text(m)} for m in messages]
+        self.refuse_hopeless_text(sum(len(m["content"]) for m in plain), "messages")
         try:
             rendered = self.tokenizer.apply_chat_template(plain)
         except ValueError as error:  # e.g. the model has no chat template

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import json
 from pathlib import Path
 from typing import Sequence
@@ -52,6 +54,12 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the longest token: a text of n characters has at least n / max_token_chars tokens, which
+        lets a server refuse a hopelessly long prompt before spending seconds tokenizing it."""
+        return max((len(token) for token in self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special tokens written in the text (e.g. "<|im_start|>") are recognised."""

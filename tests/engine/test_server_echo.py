@@ -28,6 +28,7 @@ class ByteTokenizer:
 
     eos_token_ids = (EOS,)
     vocab_size = 257
+    max_token_chars = 1
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))

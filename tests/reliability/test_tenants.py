@@ -46,8 +46,6 @@ def test_one_tenant_hits_across_replicas(two_replicas):
     assert pool_hits(again) >= 128  # 4 of the prompt's 5 full 32-token chunks at least (the last may be the tail)
 
 
-@pytest.mark.xfail(strict=True, reason="the reference engine's local prefix cache ignores cache_salt: a tenant can "
-                   "hit another tenant's blocks on the same replica (vLLM salts its local cache too)")
 def test_local_prefix_cache_is_per_tenant(two_replicas):
     _, a, _ = two_replicas
     ids = prompt_ids(300)
