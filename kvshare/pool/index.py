@@ -6,11 +6,14 @@ Invariants: a key is in at most one of `committed` and `reserved`; only committe
 
 from __future__ import annotations
 
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from kvshare.pool.protocol import CHUNK_RECORD
 
-@dataclass
+
+@dataclass(eq=False)  # entries are records of one chunk each: equal only to themselves (and compared fast)
 class Entry:
     key: bytes
     namespace: bytes
@@ -21,6 +24,9 @@ class Entry:
     checksum: int = 0
     lease: int = 0  # the write lease while reserved; 0 once committed
     readers: int = 0  # read leases holding this chunk: never evicted while > 0 (I3)
+    # The chunk as a LOOKUP reply carries it, packed once here so a 1,024-chunk hit is two bytes joins:
+    page_bytes: bytes = b""  # pages as little-endian uint32 (set by add_reserved; pages never change)
+    record: bytes = b""  # CHUNK_RECORD (set by commit, when the checksum is known)
 
     @property
     def num_tokens(self) -> int:
@@ -47,6 +53,7 @@ class ChunkIndex:
         self.committed.move_to_end(entry.key)
 
     def add_reserved(self, entry: Entry) -> None:
+        entry.page_bytes = struct.pack(f"<{len(entry.pages)}I", *entry.pages)
         self.reserved[entry.key] = entry
         self.pages_reserved += len(entry.pages)
 
@@ -59,6 +66,7 @@ class ChunkIndex:
         """Publish a reserved chunk as the most recently used."""
         entry = self.drop_reserved(key)
         entry.checksum, entry.lease = checksum, 0
+        entry.record = CHUNK_RECORD.pack(entry.nbytes, checksum, len(entry.pages))
         self.committed[key] = entry
         self.pages_committed += len(entry.pages)
         self.bytes_stored += entry.nbytes

@@ -8,13 +8,17 @@ only decode into one of the types below; anything else is a "malformed" error re
 from __future__ import annotations
 
 import struct
+from itertools import accumulate
 from typing import Union
 
 import msgspec
+import numpy as np
 
 from kvshare.pool.stats import PoolStats
 
 HEADER = struct.Struct("<I")
+# 2: LOOKUP replies carry flat little-endian arrays (LookupReply) instead of a list of ChunkRef structs.
+PROTOCOL_VERSION = 2
 
 
 class ErrorCode:
@@ -30,6 +34,7 @@ class ErrorCode:
     LEASE_LIMIT = "lease_limit"  # RESERVE would take the client past its leased-pages limit (LOOKUP shortens instead)
     INTEGRITY = "integrity"  # debug check failed after a request: a server bug
     INTERNAL = "internal"
+    VERSION = "version"  # ATTACH from a client speaking another PROTOCOL_VERSION; the server closes that connection
 
 
 # ---- requests ------------------------------------------------------------------------------------------------
@@ -44,6 +49,7 @@ class Attach(Request):
 
     token: str = ""
     pid: int = 0
+    version: int = 1  # PROTOCOL_VERSION of the client (clients before version 2 did not send it)
 
 
 class Hello(Request):
@@ -71,11 +77,17 @@ class Lookup(Request):
     def of(cls, namespace: bytes, keys: list[bytes], tokens: list[bytes]) -> "Lookup":
         return cls(namespace, keys, b"".join(tokens), [len(t) for t in tokens])
 
+    def check_lengths(self) -> None:
+        """Raise ValueError unless token_lengths are non-negative, one per key, and add up to len(tokens)."""
+        if len(self.token_lengths) != len(self.keys):
+            raise ValueError(f"{len(self.keys)} keys but {len(self.token_lengths)} token lengths")
+        if sum(self.token_lengths) != len(self.tokens) or min(self.token_lengths, default=0) < 0:
+            raise ValueError(f"token_lengths add up to {sum(self.token_lengths)}, tokens has {len(self.tokens)} bytes")
+
     def token_list(self) -> list[bytes]:
         """Per-chunk token bytes; raises ValueError if the lengths do not add up. (Slices of bytes, not memoryviews:
         the server compares them with stored bytes, and bytes == memoryview is ~15x slower than bytes == bytes.)"""
-        if sum(self.token_lengths) != len(self.tokens) or min(self.token_lengths, default=0) < 0:
-            raise ValueError(f"token_lengths add up to {sum(self.token_lengths)}, tokens has {len(self.tokens)} bytes")
+        self.check_lengths()
         blob, out, offset = self.tokens, [], 0
         for n in self.token_lengths:
             out.append(blob[offset : offset + n])
@@ -137,9 +149,43 @@ class Ok(Reply):
     count: int = 0  # CLEAR: chunks removed
 
 
+# One LookupReply record per chunk found: nbytes, checksum, page count (little-endian uint64, uint64, uint32).
+CHUNK_RECORD = struct.Struct("<QQI")
+_RECORD_DTYPE = np.dtype([("nbytes", "<u8"), ("checksum", "<u8"), ("pages", "<u4")])
+PAGE_INDEX = np.dtype("<u4")
+
+
 class LookupReply(Reply):
+    """The hit of a LOOKUP: the first `len(records) // CHUNK_RECORD.size` requested keys, as flat arrays.
+
+    1,024 ChunkRef structs with page lists cost ~0.3 ms to encode and decode (much more at many pages a chunk);
+    two byte strings cost ~nothing, and the server keeps each chunk's record and page bytes ready (index.Entry).
+    The keys are not repeated: they are the request's. refs() turns the arrays back into ChunkRefs."""
+
     lease: int  # 0 when nothing was found (no lease is held)
-    chunks: list[ChunkRef]
+    records: bytes = b""  # CHUNK_RECORD per chunk found, in prefix order
+    pages: bytes = b""  # every found chunk's page indices (PAGE_INDEX), concatenated in prefix order
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.records) // CHUNK_RECORD.size
+
+    def refs(self, keys: list[bytes]) -> list[ChunkRef]:
+        """ChunkRefs of the chunks found, given the LOOKUP's keys; ValueError if the arrays do not fit together."""
+        n = self.num_chunks
+        if len(self.records) % CHUNK_RECORD.size or n > len(keys) or len(self.pages) % PAGE_INDEX.itemsize:
+            raise ValueError(f"LOOKUP reply of {len(self.records)} record bytes for {len(keys)} keys is malformed")
+        records = np.frombuffer(self.records, _RECORD_DTYPE)
+        counts = records["pages"].tolist()
+        pages = np.frombuffer(self.pages, PAGE_INDEX)
+        if sum(counts) != len(pages):
+            raise ValueError(f"LOOKUP reply lists {len(pages)} pages, its records count {sum(counts)}")
+        if n and counts.count(counts[0]) == n:  # the usual case, every chunk the same size: lists made in C
+            page_lists = pages.reshape(n, counts[0]).tolist()
+        else:
+            flat = pages.tolist()
+            page_lists = [flat[end - c : end] for c, end in zip(counts, accumulate(counts))]
+        return list(map(ChunkRef, keys[:n], page_lists, records["nbytes"].tolist(), records["checksum"].tolist()))
 
 
 class ReserveReply(Reply):

@@ -1,9 +1,10 @@
-"""The pool server: one asyncio loop that frames messages, dispatches them to PoolState and keeps connections apart.
+"""The pool server: one asyncio loop that dispatches requests to PoolState and keeps connections apart.
 
+Each connection's frames are read and its replies written by a ClientProtocol (connection.py).
 Handlers are short and synchronous: every policy lives in PoolState (state.py) and below. Because everything runs
 on the loop's one thread, PoolState needs no lock; the only other thread is arena preparation, which reports
 progress through loop.call_soon_threadsafe. A bad frame or request gets an Error reply and never stops the server;
-an oversized frame or a failed TCP authentication also closes that one connection.
+an oversized frame, a failed TCP authentication or another protocol version also closes that one connection.
 """
 
 from __future__ import annotations
@@ -17,30 +18,21 @@ import os
 import signal
 import socket
 import time
+from typing import Awaitable
 
 import msgspec
 
 from kvshare.pool import protocol as p
 from kvshare.pool.arena import Arena, prepare_rate
 from kvshare.pool.config import PoolConfig
+from kvshare.pool.connection import ClientProtocol, CloseConnection, Connection
 from kvshare.pool.state import IntegrityError, PoolState, RequestError
 from kvshare.pool.stats import LatencyRecorder
 from kvshare.units import format_size
 
 log = logging.getLogger(__name__)
 EXPIRY_PERIOD = 0.25  # seconds between lease-expiry sweeps (a lease may outlive its timeout by this much)
-STREAM_LIMIT = 16 << 20
 MUTATING = (p.Hello, p.Lookup, p.Reserve, p.Commit, p.Release, p.Clear)
-
-
-class CloseConnection(Exception):
-    """Reply, then close this connection (oversized frame, failed authentication)."""
-
-
-class Connection:
-    def __init__(self, client_id: int, authenticated: bool) -> None:
-        self.id = client_id
-        self.authenticated = authenticated
 
 
 class PoolServer:
@@ -66,14 +58,12 @@ class PoolServer:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
-        # limit: the stream buffer; the 64 KiB default would pause and resume the socket ~30 times per 1 MiB LOOKUP.
-        limit = STREAM_LIMIT
-        servers = [await asyncio.start_unix_server(lambda r, w: self._serve(r, w, True), self.config.socket, limit=limit)]
+        servers = [await loop.create_unix_server(lambda: self._connection(True), self.config.socket)]
         os.chmod(self.config.socket, 0o660)  # owner and group only
         set_group(self.config.socket, self.config.group)
         if self.config.tcp:
-            host, port = self.config.tcp.rsplit(":", 1)
-            servers.append(await asyncio.start_server(lambda r, w: self._serve(r, w, False), host, int(port), limit=limit))
+            host, port = self.config.tcp.rsplit(":", 1)  # asyncio sets TCP_NODELAY on TCP transports
+            servers.append(await loop.create_server(lambda: self._connection(False), host, int(port)))
         announce(f"serving on {self.config.socket}" + (f" and tcp {self.config.tcp}" if self.config.tcp else "")
                  + f" (arena {self.arena.path}, {format_size(self.arena.size)}, {self.config.num_pages} pages of "
                  f"{format_size(self.config.page_size)})")
@@ -114,56 +104,53 @@ class PoolServer:
 
     # ---- connections -------------------------------------------------------------------------------------------
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, is_unix: bool) -> None:
-        conn = Connection(next(self._ids), authenticated=is_unix or not self.config.token)
-        self.clients += 1
-        try:
-            while True:
-                try:
-                    (length,) = p.HEADER.unpack(await reader.readexactly(p.HEADER.size))
-                    if length > self.config.max_frame:
-                        raise CloseConnection(p.ErrorCode.TOO_LARGE, f"frame of {length} bytes exceeds the limit of "
-                                              f"{self.config.max_frame}: send smaller requests (split the key list)")
-                    reply = await self._handle(conn, await reader.readexactly(length))
-                except CloseConnection as close:
-                    writer.write(p.frame(p.Error(*close.args)))
-                    await writer.drain()
-                    return
-                writer.write(p.frame(reply))
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the client went away: its leases end below
-        finally:
-            self.clients -= 1
-            self.state.drop_client(conn.id)  # I8
-            writer.close()
+    def _connection(self, is_unix: bool) -> ClientProtocol:
+        """A new connection: Unix sockets are authenticated by file permissions, TCP by the token in ATTACH."""
+        return ClientProtocol(self, Connection(next(self._ids), authenticated=is_unix or not self.config.token))
 
-    async def _handle(self, conn: Connection, body: bytes) -> p.Reply:
-        """One request -> one reply; every failure becomes an Error reply."""
+    def handle(self, conn: Connection, body: memoryview) -> p.Reply | Awaitable[p.Reply]:
+        """One request -> one reply, or a coroutine of it (a LOOKUP waiting for L2 promotion); every failure becomes
+        an Error reply, except CloseConnection. `body` is decoded before this returns (the caller reuses it)."""
         started = time.perf_counter()
         kind = "malformed"
         try:
             request = p.request_decoder.decode(body)
             kind = type(request).__name__.lower()
             reply = self._dispatch(conn, request)
-            if inspect.isawaitable(reply):  # a LOOKUP waiting for L2 promotion (bounded; the loop serves others)
-                reply = await reply
-            if self.config.check_integrity and isinstance(request, MUTATING):
-                self.state.check_integrity()
-        except msgspec.DecodeError as error:
-            reply = p.Error(p.ErrorCode.MALFORMED, f"malformed request: {error}; use kvshare.pool.client")
-        except RequestError as error:
-            reply = p.Error(error.code, error.message)
-        except IntegrityError as error:
-            log.error("integrity check failed: %s", error)
-            reply = p.Error(p.ErrorCode.INTEGRITY, f"integrity check failed: {error} (a pool bug: report it)")
+            if inspect.isawaitable(reply):  # bounded by the L2 promote timeout; the loop serves others meanwhile
+                return self._finish(request, kind, reply, started)
+            self._after(request)
         except CloseConnection:
             raise
-        except Exception as error:  # a bug must not take down the server that every replica shares
-            log.exception("internal error handling %s", kind)
-            reply = p.Error(p.ErrorCode.INTERNAL, f"internal error: {error!r} (a pool bug: report it)")
+        except Exception as error:
+            reply = self._error(error, kind)
         self.latency.record(kind, time.perf_counter() - started, isinstance(reply, p.Error))
         return reply
+
+    async def _finish(self, request: p.Request, kind: str, pending: Awaitable[p.Reply], started: float) -> p.Reply:
+        try:
+            reply = await pending
+            self._after(request)
+        except Exception as error:
+            reply = self._error(error, kind)
+        self.latency.record(kind, time.perf_counter() - started, isinstance(reply, p.Error))
+        return reply
+
+    def _after(self, request: p.Request) -> None:
+        if self.config.check_integrity and isinstance(request, MUTATING):
+            self.state.check_integrity()
+
+    def _error(self, error: Exception, kind: str) -> p.Error:
+        if isinstance(error, msgspec.DecodeError):
+            return p.Error(p.ErrorCode.MALFORMED, f"malformed request: {error}; use kvshare.pool.client")
+        if isinstance(error, RequestError):
+            return p.Error(error.code, error.message)
+        if isinstance(error, IntegrityError):
+            log.error("integrity check failed: %s", error)
+            return p.Error(p.ErrorCode.INTEGRITY, f"integrity check failed: {error} (a pool bug: report it)")
+        # A bug must not take down the server that every replica shares.
+        log.error("internal error handling %s", kind, exc_info=error)
+        return p.Error(p.ErrorCode.INTERNAL, f"internal error: {error!r} (a pool bug: report it)")
 
     def _dispatch(self, conn: Connection, request: p.Request) -> p.Reply:
         s = self.state
@@ -174,19 +161,22 @@ class PoolServer:
                 raise CloseConnection(p.ErrorCode.AUTH, "authentication failed: over TCP the first message must be "
                                       "ATTACH with the pool's token (pass token= to PoolClient.connect)")
         match request:
+            case p.Attach(version=version) if version != p.PROTOCOL_VERSION:
+                raise CloseConnection(p.ErrorCode.VERSION, f"client speaks pool protocol {version}, this pool "
+                                      f"{p.PROTOCOL_VERSION}: run the same kvshare version on both sides")
             case p.Attach():
                 return p.ArenaInfo(self.arena.path, self.config.page_size, self.config.num_pages, s.allocator.prepared, self.instance)
             case p.Hello(namespace, description):
                 s.hello(namespace, description)
                 return p.Ok()
-            case p.Lookup(namespace, keys):
+            case p.Lookup(namespace, keys, tokens, lengths):
                 try:
-                    tokens = request.token_list()
+                    request.check_lengths()
                 except ValueError as error:
                     raise RequestError(p.ErrorCode.BAD_REQUEST, f"LOOKUP: {error}") from None
                 if self.l2 is not None:
-                    return self.l2.lookup(conn.id, namespace, keys, tokens)  # awaited by _handle
-                return s.lookup(conn.id, namespace, keys, tokens)
+                    return self.l2.lookup(conn.id, namespace, keys, request.token_list())  # awaited by handle()
+                return s.lookup_joined(conn.id, namespace, keys, tokens, lengths)
             case p.Reserve(namespace, chunks):
                 return s.reserve(conn.id, namespace, chunks)
             case p.Commit(lease, checksums):

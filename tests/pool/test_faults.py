@@ -114,3 +114,38 @@ def test_full_arena_with_everything_leased_answers_no_space_at_once():
             holder.release(read_lease)
             other.reserve(NS, new_chunks(more, more_tokens, PAGE))  # now an unleased chunk can be evicted
             assert other.stats().evictions >= 1 and other.health(deep=True)
+
+
+def read_reply(s: socket.socket) -> p.Reply:
+    (length,) = struct.unpack("<I", recv_exactly(s, 4))
+    return p.reply_decoder.decode(recv_exactly(s, length))
+
+
+def test_split_and_pipelined_frames_get_one_reply_each_in_order(pool_server):
+    s = raw(pool_server)
+    hello, health = bytes(p.frame(p.Hello(NS))), bytes(p.frame(p.Health()))
+    s.sendall(hello + bytes(p.frame(p.Stats())) + health)  # three frames in one send
+    assert [type(read_reply(s)) for _ in range(3)] == [p.Ok, p.StatsReply, p.HealthReply]
+    for byte in health:  # one frame in pieces
+        s.sendall(bytes([byte]))
+        time.sleep(0.001)
+    assert isinstance(read_reply(s), p.HealthReply)
+    # A client that sends 2,000 requests before reading any reply (~1.3 MB of replies): the server stops reading
+    # while its replies are not taken, then answers every one, in order.
+    s.sendall(bytes(p.frame(p.Stats())) * 1999 + health)
+    time.sleep(0.2)
+    replies = [read_reply(s) for _ in range(2000)]
+    assert all(isinstance(r, p.StatsReply) for r in replies[:-1]) and isinstance(replies[-1], p.HealthReply)
+    s.close()
+
+
+def test_another_protocol_version_is_refused_and_closed(pool_server):
+    s = raw(pool_server)
+    s.sendall(bytes(p.frame(p.Attach(pid=os.getpid(), version=1))))  # a client from before flat LOOKUP replies
+    reply = read_reply(s)
+    assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.VERSION and "same kvshare version" in reply.message
+    with pytest.raises(EOFError):
+        recv_exactly(s, 1)
+    s.close()
+    with PoolClient.connect(pool_server) as good:  # the current version attaches
+        assert good.health(deep=True)

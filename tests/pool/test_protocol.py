@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from kvshare.pool import protocol as p
 from kvshare.pool.client import PoolClient, PoolError, PoolUnavailable, checksum
 from kvshare.pool.protocol import ErrorCode
 from kvshare.pool.testing import start_pool
@@ -149,3 +151,19 @@ def test_one_client_is_safe_to_share_between_threads(client, ns):
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(work, range(200)))
     assert results == [[1, 2, 3, 4][: 1 + i % 4] for i in range(200)]  # every reply went to its own request
+
+
+def test_lookup_reply_arrays_turn_back_into_chunk_refs():
+    """Flat LOOKUP replies (PROTOCOL_VERSION 2): uneven page counts, and arrays that do not fit together refused."""
+    keys = [bytes([i]) * 16 for i in range(4)]
+    chunks = [(keys[0], [7], 100, 1), (keys[1], [3, 9, 2], 5000, 2**64 - 1), (keys[2], [], 0, 0)]
+    records = b"".join(p.CHUNK_RECORD.pack(nbytes, checksum, len(pages)) for _, pages, nbytes, checksum in chunks)
+    pages = struct.pack("<4I", 7, 3, 9, 2)
+    reply = p.reply_decoder.decode(p.frame(p.LookupReply(5, records, pages))[p.HEADER.size :])
+    assert reply.num_chunks == 3
+    assert [(c.key, c.pages, c.nbytes, c.checksum) for c in reply.refs(keys)] == chunks
+    assert p.LookupReply(0).refs(keys) == []
+    for bad in (p.LookupReply(5, records, pages[:-4]), p.LookupReply(5, records + b"x", pages),
+                p.LookupReply(5, records * 2, pages)):  # a page short, a torn record, more chunks than keys
+        with pytest.raises(ValueError):
+            bad.refs(keys)

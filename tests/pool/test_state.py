@@ -39,11 +39,11 @@ def test_reserved_chunks_are_invisible_until_commit():  # I2
     keys, tokens = prompt(3)
     r = state.reserve(1, NS, new_chunks(keys, tokens, PAGE * 2))
     assert [len(c.pages) for c in r.chunks] == [2, 2, 2]
-    assert state.lookup(2, NS, keys, tokens).chunks == []
+    assert state.lookup(2, NS, keys, tokens).num_chunks == 0
     state.commit(1, r.lease, [1, 2, 3])
-    found = state.lookup(2, NS, keys, tokens)
-    assert [c.checksum for c in found.chunks] == [1, 2, 3]
-    assert [c.pages for c in found.chunks] == [c.pages for c in r.chunks]
+    found = state.lookup(2, NS, keys, tokens).refs(keys)
+    assert [c.checksum for c in found] == [1, 2, 3]
+    assert [(c.key, c.pages, c.nbytes) for c in found] == [(c.key, c.pages, c.nbytes) for c in r.chunks]
     state.check_integrity()
 
 
@@ -51,13 +51,13 @@ def test_lookup_returns_longest_prefix_and_verifies_tokens():
     state = make()
     keys, tokens = prompt(4)
     store(state, keys[:2], tokens[:2])
-    assert len(state.lookup(1, NS, keys, tokens).chunks) == 2
+    assert state.lookup(1, NS, keys, tokens).num_chunks == 2
     wrong = [tokens[0], tokens[1][:-4] + b"\0\0\0\0"]
-    assert len(state.lookup(1, NS, keys[:2], wrong).chunks) == 1  # a token mismatch is a miss, never a hit
+    assert state.lookup(1, NS, keys[:2], wrong).num_chunks == 1  # a token mismatch is a miss, never a hit
     assert state.counters["verify_failures"] == 1
     other_ns = b"o" * 16
     state.hello(other_ns, "")
-    assert state.lookup(1, other_ns, keys, tokens).chunks == []  # another namespace's chunk: parent differs
+    assert state.lookup(1, other_ns, keys, tokens).num_chunks == 0  # another namespace's chunk: parent differs
     s = state.stats()
     assert (s.hit_chunks, s.miss_chunks, s.hit_tokens) == (3, 7, 3 * 16)
     state.check_integrity()
@@ -183,3 +183,71 @@ def test_random_churn_never_fragments_or_leaks(ops):
         elif op == "clear":
             state.clear()
         state.check_integrity()
+
+
+def reference_prefix(state: PoolState, namespace: bytes, keys: list[bytes], tokens: list[bytes]) -> tuple[int, bool]:
+    """LOOKUP's verification as the spec states it, one chunk at a time: (hit chunks, whether a found key failed)."""
+    parent = namespace
+    for i, (key, expected) in enumerate(zip(keys, tokens)):
+        entry = state.index.committed.get(key)
+        if entry is None:
+            return i, False
+        if entry.parent != parent or entry.namespace != namespace or entry.tokens != expected:
+            return i, True
+        parent = key
+    return len(keys), False
+
+
+@settings(max_examples=150, deadline=None)
+@given(committed=st.lists(st.booleans(), min_size=6, max_size=6),
+       edits=st.lists(st.sampled_from(["same", "flip", "short", "shift", "parent"]), min_size=6, max_size=6),
+       n=st.integers(0, 6), limit=st.sampled_from([0, 3, 7]))
+def test_lookup_matches_the_chunk_by_chunk_reference(committed, edits, n, limit):
+    """The whole-prefix checks (C-level maps, one joined token comparison) answer exactly what a per-chunk loop
+    answers: hit length, verify failures, lease-limit cut, and each hit's pages, nbytes and checksum."""
+    state = make(num_pages=64, max_leased_pages_per_client=limit)
+    keys = [bytes([i + 1]) * 16 for i in range(6)]
+    tokens = [bytes(range(4 * (i + 1))) for i in range(6)]  # lengths differ chunk to chunk
+    nbytes = [PAGE * (1 + i % 3) - i for i in range(6)]  # 1 to 3 pages
+    for i in range(6):
+        parent = b"x" * 16 if edits[i] == "parent" else (keys[i - 1] if i else NS)  # a writer that broke the chain
+        r = state.reserve(1, NS, [NewChunk(keys[i], parent, tokens[i], nbytes[i])])
+        if committed[i]:
+            state.commit(1, r.lease, [1000 + i])
+        else:
+            state.release(1, r.lease)
+    asked = list(tokens)
+    for i, edit in enumerate(edits):
+        if edit == "flip":
+            asked[i] = asked[i][:-1] + bytes([asked[i][-1] ^ 1])
+        elif edit == "short":
+            asked[i] = asked[i][:-4]
+        elif edit == "shift" and i + 1 < 6:  # same joined bytes, other chunk boundaries
+            asked[i], asked[i + 1] = asked[i][:-4], asked[i][-4:] + asked[i + 1]
+    expected_hits, expected_failed = reference_prefix(state, NS, keys[:n], asked[:n])
+    if limit:
+        pages = [len(state.index.committed[k].pages) for k in keys[:expected_hits]]
+        while sum(pages) > limit:
+            pages.pop()
+        expected_hits = len(pages)
+    reply = state.lookup(2, NS, keys[:n], asked[:n])
+    assert reply.num_chunks == expected_hits
+    assert state.counters["verify_failures"] == int(expected_failed)
+    refs = reply.refs(keys[:n])
+    assert [(r.key, r.pages, r.nbytes, r.checksum) for r in refs] == [
+        (k, state.index.committed[k].pages, state.index.committed[k].nbytes, 1000 + i) for i, k in enumerate(keys[:expected_hits])]
+    assert (reply.lease != 0) == bool(expected_hits)
+    state.check_integrity()
+
+
+def test_commit_refuses_checksums_that_are_not_64_bit():
+    state = make()
+    keys, tokens = prompt(1)
+    r = state.reserve(1, NS, new_chunks(keys, tokens, PAGE))
+    for bad in (-1, 1 << 64):
+        with pytest.raises(RequestError) as error:
+            state.commit(1, r.lease, [bad])
+        assert error.value.code == ErrorCode.BAD_REQUEST
+    state.commit(1, r.lease, [(1 << 64) - 1])
+    assert state.lookup(1, NS, keys, tokens).refs(keys)[0].checksum == (1 << 64) - 1
+    state.check_integrity()
