@@ -34,7 +34,7 @@ class ErrorCode:
     LEASE_LIMIT = "lease_limit"  # RESERVE would take the client past its leased-pages limit (LOOKUP shortens instead)
     INTEGRITY = "integrity"  # debug check failed after a request: a server bug
     INTERNAL = "internal"
-    VERSION = "version"  # ATTACH from a client speaking another PROTOCOL_VERSION; the server closes that connection
+    VERSION = "version"  # ATTACH from a client speaking another PROTOCOL_VERSION (connect fails with this code)
 
 
 # ---- requests ------------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Each connection's frames are read and its replies written by a ClientProtocol (c
 Handlers are short and synchronous: every policy lives in PoolState (state.py) and below. Because everything runs
 on the loop's one thread, PoolState needs no lock; the only other thread is arena preparation, which reports
 progress through loop.call_soon_threadsafe. A bad frame or request gets an Error reply and never stops the server;
-an oversized frame, a failed TCP authentication or another protocol version also closes that one connection.
+an oversized frame or a failed TCP authentication also closes that one connection.
 """
 
 from __future__ import annotations
@@ -127,6 +127,11 @@ class PoolServer:
         self.latency.record(kind, time.perf_counter() - started, isinstance(reply, p.Error))
         return reply
 
+    async def _handle(self, conn: Connection, body: bytes) -> p.Reply:
+        """handle() awaited to its reply, for drivers without a connection (tests/reliability/pool_harness.py)."""
+        reply = self.handle(conn, body)
+        return reply if isinstance(reply, p.Reply) else await reply
+
     async def _finish(self, request: p.Request, kind: str, pending: Awaitable[p.Reply], started: float) -> p.Reply:
         try:
             reply = await pending
@@ -162,8 +167,8 @@ class PoolServer:
                                       "ATTACH with the pool's token (pass token= to PoolClient.connect)")
         match request:
             case p.Attach(version=version) if version != p.PROTOCOL_VERSION:
-                raise CloseConnection(p.ErrorCode.VERSION, f"client speaks pool protocol {version}, this pool "
-                                      f"{p.PROTOCOL_VERSION}: run the same kvshare version on both sides")
+                raise RequestError(p.ErrorCode.VERSION, f"client speaks pool protocol {version}, this pool "
+                                   f"{p.PROTOCOL_VERSION}: run the same kvshare version on both sides")
             case p.Attach():
                 return p.ArenaInfo(self.arena.path, self.config.page_size, self.config.num_pages, s.allocator.prepared, self.instance)
             case p.Hello(namespace, description):
