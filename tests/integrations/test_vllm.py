@@ -110,8 +110,9 @@ class Replica:
 
     def stop(self) -> None:
         if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGTERM)
+            # SIGTERM to the server alone: it shuts its engine down and unlinks vLLM's /dev/shm message queues
+            # (psm_*, ~400 MiB a replica); SIGTERM to the whole group leaves them behind.
+            self.process.terminate()
             try:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:
