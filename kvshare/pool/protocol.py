@@ -70,12 +70,14 @@ class Lookup(Request):
 
     namespace: bytes
     keys: list[bytes]
-    tokens: bytes
+    # Decoded as a view into the server's receive buffer (no 1 MiB copy): valid only while that request is handled.
+    # Senders may pass bytes.
+    tokens: memoryview
     token_lengths: list[int]
 
     @classmethod
     def of(cls, namespace: bytes, keys: list[bytes], tokens: list[bytes]) -> "Lookup":
-        return cls(namespace, keys, b"".join(tokens), [len(t) for t in tokens])
+        return cls(namespace, keys, b"".join(tokens), [len(t) for t in tokens])  # type: ignore[arg-type]
 
     def check_lengths(self) -> None:
         """Raise ValueError unless token_lengths are non-negative, one per key, and add up to len(tokens)."""
@@ -88,7 +90,7 @@ class Lookup(Request):
         """Per-chunk token bytes; raises ValueError if the lengths do not add up. (Slices of bytes, not memoryviews:
         the server compares them with stored bytes, and bytes == memoryview is ~15x slower than bytes == bytes.)"""
         self.check_lengths()
-        blob, out, offset = self.tokens, [], 0
+        blob, out, offset = bytes(self.tokens), [], 0
         for n in self.token_lengths:
             out.append(blob[offset : offset + n])
             offset += n

@@ -64,16 +64,19 @@ class PoolState:
         if len(keys) != len(tokens):
             self._check_namespace(namespace)
             raise RequestError(ErrorCode.BAD_REQUEST, f"LOOKUP has {len(keys)} keys but {len(tokens)} token lists")
-        return self.lookup_joined(client, namespace, keys, b"".join(tokens), [len(t) for t in tokens])
+        return self.lookup_joined(client, namespace, keys, memoryview(b"".join(tokens)), [len(t) for t in tokens])
 
-    def lookup_joined(self, client: int, namespace: bytes, keys: list[bytes], blob: bytes,
+    def lookup_joined(self, client: int, namespace: bytes, keys: list[bytes], blob: bytes | memoryview,
                       lengths: list[int]) -> LookupReply:
         """lookup() with the expected tokens as the wire carries them: concatenated in `blob`, `lengths` bytes each
-        (the caller checked that they add up). Runs once per prompt with ~1,024 keys on the server's only thread,
-        so the per-chunk work is kept to the loops below; one LOOKUP of 1,024 hits takes ~0.2 ms."""
+        (a view into the receive buffer, not kept). Runs once per prompt with ~1,024 keys on the server's only
+        thread, so the per-chunk work is kept to C-level maps and joins; one LOOKUP of 1,024 hits takes ~0.3 ms."""
         self._check_namespace(namespace)
         if len(keys) != len(lengths):
             raise RequestError(ErrorCode.BAD_REQUEST, f"LOOKUP has {len(keys)} keys but {len(lengths)} token lists")
+        if sum(lengths) != len(blob) or min(lengths, default=0) < 0:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"LOOKUP token lengths add up to {sum(lengths)}, not to the "
+                               f"{len(blob)} token bytes sent")
         hits = self._verified_prefix(namespace, keys, blob, lengths)
         hits, pages = self._within_lease_limit(client, hits)
         n = len(hits)
@@ -92,7 +95,8 @@ class PoolState:
         lease = self.leases.new(READ, client, keys[:n], self.clock(), pages)
         return LookupReply(lease.id, b"".join([e.record for e in hits]), b"".join([e.page_bytes for e in hits]))
 
-    def _verified_prefix(self, namespace: bytes, keys: list[bytes], blob: bytes, lengths: list[int]) -> list[Entry]:
+    def _verified_prefix(self, namespace: bytes, keys: list[bytes], blob: bytes | memoryview,
+                         lengths: list[int]) -> list[Entry]:
         """The committed entries of the longest prefix of `keys` whose namespace, parent chain and tokens match.
 
         Each check runs over the whole prefix at once (map and list comparisons run in C: a Python loop over 1,024
@@ -109,11 +113,13 @@ class PoolState:
         if list(map(_PARENT, hits)) != expected_parents or list(map(_NAMESPACE, hits)).count(namespace) != n:
             n = next(i for i, (e, p) in enumerate(zip(hits, expected_parents)) if e.parent != p or e.namespace != namespace)
             hits, failed = hits[:n], True
+        # Equal lengths, then bytes.startswith(same-length view): a memcmp. (bytes == memoryview is ~100x slower.)
         stored = list(map(_TOKENS, hits))
-        if list(map(len, stored)) != lengths[:n] or not blob.startswith(b"".join(stored)):  # startswith: no slice copy
+        joined = b"".join(stored)
+        if list(map(len, stored)) != lengths[:n] or not joined.startswith(blob[: len(joined)]):
             offset = 0
             for i, (expected_length, tokens) in enumerate(zip(lengths, stored)):
-                if tokens != blob[offset : offset + expected_length]:
+                if len(tokens) != expected_length or not tokens.startswith(blob[offset : offset + expected_length]):
                     hits, failed = hits[:i], True
                     break
                 offset += expected_length
