@@ -77,7 +77,7 @@ class Lookup(Request):
 
     @classmethod
     def of(cls, namespace: bytes, keys: list[bytes], tokens: list[bytes]) -> "Lookup":
-        return cls(namespace, keys, b"".join(tokens), [len(t) for t in tokens])  # type: ignore[arg-type]
+        return cls(namespace, keys, b"".join(tokens), list(map(len, tokens)))  # type: ignore[arg-type]
 
     def check_lengths(self) -> None:
         """Raise ValueError unless token_lengths are non-negative, one per key, and add up to len(tokens)."""
