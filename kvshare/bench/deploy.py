@@ -180,7 +180,7 @@ class LocalDeployment:
                         "--arena", str(self.pool_arena))
         self.pool = ManagedProcess("pool", argv, self.config.log_dir / "pool.log")
         deadline = time.monotonic() + self.config.ready_timeout_s
-        while not _socket_accepts(self.pool_socket):
+        while not socket_accepts(self.pool_socket):
             _check_starting(self.pool, deadline, f"pool socket {self.pool_socket}")
             time.sleep(0.1)
 
@@ -239,7 +239,8 @@ def _check_starting(process: ManagedProcess, deadline: float, what: str) -> None
         raise BenchError(f"{process.name} did not get ready ({what}) in time; see {process.log_path}")
 
 
-def _socket_accepts(path: str) -> bool:
+def socket_accepts(path: str) -> bool:
+    """True once a server accepts connections on the Unix socket at `path`."""
     if not os.path.exists(path):
         return False
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:

@@ -16,9 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import socket
 
-from kvshare.bench.deploy import ManagedProcess, free_port, wait_http_ready
+from kvshare.bench.deploy import ManagedProcess, free_port, socket_accepts, wait_http_ready
 
 READY_TIMEOUT_S = 180.0
 
@@ -75,7 +74,7 @@ class SoakDeployment:
                             "--check-integrity")
         self.pool = ManagedProcess("pool", argv, c.log_dir / f"pool-{self.pool_lives}.log")
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not _socket_accepts(self.pool_socket):
+        while not socket_accepts(self.pool_socket):
             if not self.pool.alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"pool did not start; its log ends with:\n{self.pool.log_tail()}")
             time.sleep(0.05)
@@ -115,15 +114,6 @@ class SoakDeployment:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _socket_accepts(path: str) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        try:
-            sock.connect(path)
-            return True
-        except OSError:
-            return False
 
 
 def _kill(process: ManagedProcess | None) -> None:
