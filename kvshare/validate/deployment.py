@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from kvshare.bench.deploy import ManagedProcess, free_port, socket_accepts, wait_http_ready
 
 READY_TIMEOUT_S = 180.0
