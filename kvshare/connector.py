@@ -14,6 +14,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -51,6 +52,12 @@ class PoolHit(msgspec.Struct, frozen=True):
     @property
     def num_chunks(self) -> int:
         return len(self.pages)
+
+
+def _instance_of(client) -> str:
+    """Which pool life a connection talks to: a restarted pool reuses page numbers (and maybe its arena path) for
+    other bytes, and its random instance id tells the lives apart."""
+    return f"{client.arena_path}:{client.instance_id}"
 
 
 class _PoolLink:
@@ -138,15 +145,16 @@ class ConnectorCore:
         self._base_namespace = namespace
         self._layout = None
         self._kv_caches = None
-        self._transfer = None  # rebuilt for each pool connection: a restarted pool has a new arena
-        self._instance = ""
+        # (pool instance, transfer over its arena), replaced as one tuple on each new connection so that readers on
+        # other threads never pair one pool life's page numbers with another life's arena.
+        self._attached: tuple[str, object | None] = ("", None)
         self._link = _PoolLink(config, self.stats, self._on_connect)
         self._committer = _Committer(self)
 
     # ---- both halves -------------------------------------------------------------------------------------------
     def namespace(self, salt: str = "") -> Namespace:
         base = self._base_namespace
-        return base if salt == base.salt else Namespace(**{**base.__dict__, "salt": salt})
+        return base if salt == base.salt else dataclasses.replace(base, salt=salt)
 
     def chunk_plan(self, token_ids: Sequence[int], salt: str = "") -> tuple[Namespace, list[bytes], list[bytes]]:
         """(namespace, keys, token bytes per chunk) for every full chunk of token_ids."""
@@ -164,7 +172,7 @@ class ConnectorCore:
             return None
         self.stats.lookups += 1
         # LOOKUP always starts at chunk 0 so the pool verifies the whole chain (parents and tokens) it serves.
-        found = self._link.call("lookup", lambda c: (c.lookup(namespace.key, keys, tokens), self._instance), namespace)
+        found = self._link.call("lookup", lambda c: (c.lookup(namespace.key, keys, tokens), _instance_of(c)), namespace)
         if found is None:
             return None
         lookup, instance = found
@@ -179,8 +187,8 @@ class ConnectorCore:
         return hit
 
     def release_hit(self, hit: PoolHit) -> None:
-        if hit.pool_instance == self._instance:
-            self._link.call("release", lambda c: c.release(hit.lease))
+        # A lease belongs to the connection (and pool life) that took it; a lease of an earlier life is gone already.
+        self._link.call("release", lambda c: c.release(hit.lease) if _instance_of(c) == hit.pool_instance else None)
 
     # ---- worker half: moves bytes ------------------------------------------------------------------------------
     def attach(self, layout, kv_caches: Sequence) -> None:
@@ -190,14 +198,13 @@ class ConnectorCore:
 
     def _on_connect(self, client) -> None:
         # Called under the link's lock for each new connection: the arena (and so every page view) is new.
-        # A restarted pool reuses page numbers (and maybe the arena path) for other bytes: its random instance id
-        # tells the lives apart, so a hit from an earlier life is never loaded (the checksum would catch it too).
-        self._instance = f"{client.arena_path}:{client.instance_id}"
-        self._transfer = None
+        # A hit from an earlier pool life is never loaded (see _instance_of; the checksum would catch it too).
+        transfer = None
         if self._kv_caches is not None:
             from kvshare.transfer import make_transfer
 
-            self._transfer = make_transfer(self._layout, self._kv_caches, client.torch_pages())
+            transfer = make_transfer(self._layout, self._kv_caches, client.torch_pages())
+        self._attached = (_instance_of(client), transfer)
 
     def load(self, hit: PoolHit, block_ids: Sequence[int], num_computed: int, release: bool = True) -> bool:
         """Load the hit's chunks into `block_ids` (the request's block table), skipping blocks below num_computed.
@@ -227,8 +234,8 @@ class ConnectorCore:
     def _load(self, hit: PoolHit, block_ids: Sequence[int], num_computed: int) -> bool:
         from kvshare.transfer import LoadJob
 
-        transfer = self._transfer
-        if transfer is None or hit.pool_instance != self._instance:
+        instance, transfer = self._attached
+        if transfer is None or hit.pool_instance != instance:
             return False  # the pool restarted since the lookup: those page numbers now mean other bytes
         if self.config.verify_checksums:
             for pages, nbytes, checksum in zip(hit.pages, hit.nbytes, hit.checksums):
@@ -270,13 +277,18 @@ class ConnectorCore:
             # The chunk's extent depends on the arena's page size: units never straddle pages (KVLayout.chunk_nbytes).
             nbytes = self._layout.chunk_nbytes(self.chunk_tokens, client.page_size)
             new = [NewChunk(key=keys[i], parent=parents[i], tokens=tokens[i], nbytes=nbytes) for i in range(first, len(keys))]
-            return client.reserve(namespace.key, new), self._transfer
+            return client.reserve(namespace.key, new), _instance_of(client)
 
         started = time.perf_counter()
         found = self._link.call("reserve", reserve, namespace)
         if found is None:
             return None
-        reservation, transfer = found
+        reservation, reserved_in = found
+        instance, transfer = self._attached
+        if transfer is None or reserved_in != instance:  # reconnected in between: these pages belong to another arena
+            if reservation.lease:
+                self._link.call("release", lambda c: c.release(reservation.lease))
+            return None
         per_chunk = self.chunk_tokens // self._layout.block_size
         jobs, refs = [], []
         for i, ref in enumerate(reservation.chunks, start=first):

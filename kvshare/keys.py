@@ -10,6 +10,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass
 from typing import Sequence
@@ -37,7 +38,7 @@ class Namespace:
         if self.chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens must be positive, got {self.chunk_tokens}")
 
-    @property
+    @functools.cached_property  # computed once per instance (frozen, so it never goes stale)
     def key(self) -> bytes:
         """The 16-byte namespace key: xxh3-128 of the canonical JSON of every field."""
         canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
