@@ -15,7 +15,7 @@ from kvshare.pool.l2.testing import (REDIS_MISSING, free_port, redis_available, 
                                      url_of)
 from kvshare.pool.testing import start_pool
 
-from conftest import new_chunks, prompt, random_bytes
+from tests.pool.conftest import new_chunks, prompt, random_bytes
 
 needs_redis = pytest.mark.skipif(not redis_available(), reason=REDIS_MISSING)
 CHUNK = 3 * (1 << 19)  # 1.5 MiB: two 1 MiB pages, the second one half full
