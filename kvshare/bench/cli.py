@@ -14,6 +14,8 @@ def register(cli) -> None:
     cross.add_argument("--per-block", type=int, default=4, help="measured requests per length in each block")
     cross.add_argument("--question-tokens", type=int, default=32, help="tokens of the question after the document")
     cross.add_argument("--max-tokens", type=int, default=8, help="answer tokens per request")
+    cross.add_argument("--skip-off-warm", action="store_true",
+                       help="OFF blocks send nothing to replica A (without a pool it cannot help B); saves time on GPUs")
     cross.set_defaults(run=_cross_replica)
 
     sess = cli.command("sessions", "six-turn sessions: alternate vs fixed placement, pool OFF vs ON", group="bench")
@@ -70,7 +72,7 @@ def _cross_replica(args: argparse.Namespace) -> int:
 
     return _run_plan(args, "cross-replica", lambda: dict(cross=CrossReplicaConfig(
         lengths=tuple(parse_lengths(args.lengths)), per_block=args.per_block, question_tokens=args.question_tokens,
-        max_tokens=args.max_tokens, seed=args.seed)))
+        max_tokens=args.max_tokens, seed=args.seed, off_warm=not args.skip_off_warm)))
 
 
 def _sessions(args: argparse.Namespace) -> int:

@@ -136,7 +136,11 @@ class LocalDeployment:
             self._stop_serving()
             if arm == "ON" and self.pool is None:
                 self._start_pool()
-            urls = tuple(self._start_replica(name, arm, i) for i, name in enumerate(("a", "b")))
+            # Both replicas start at once (on GPUs each start maps and registers the pool's arena: tens of seconds).
+            started = [self._spawn_replica(name, arm, i) for i, name in enumerate(("a", "b"))]
+            for process, url in started:
+                wait_http_ready(url, process, self.config.ready_timeout_s)
+            urls = tuple(url for _, url in started)
             self.endpoints, self.arm, self._policy = Endpoints(urls), arm, None
         if policy and policy != self._policy:
             self._ensure_router(policy)
@@ -184,7 +188,7 @@ class LocalDeployment:
             _check_starting(self.pool, deadline, f"pool socket {self.pool_socket}")
             time.sleep(0.1)
 
-    def _start_replica(self, name: str, arm: str, index: int) -> str:
+    def _spawn_replica(self, name: str, arm: str, index: int) -> tuple[ManagedProcess, str]:
         c, port = self.config, free_port()
         argv = _kvshare(
             "serve", "--model", str(c.model_dir), "--host", "127.0.0.1", "--port", str(port), "--device", c.device,
@@ -198,9 +202,7 @@ class LocalDeployment:
         env = {"CUDA_VISIBLE_DEVICES": c.gpus[index]} if c.gpus else None
         process = ManagedProcess(f"replica-{name}", argv, c.log_dir / f"replica-{name}-{arm}.log", env)
         self.replicas.append(process)
-        url = f"http://127.0.0.1:{port}"
-        wait_http_ready(url, process, c.ready_timeout_s)
-        return url
+        return process, f"http://127.0.0.1:{port}"
 
     def _stop_serving(self) -> None:
         # The router goes first so it never proxies to a replica that is shutting down.

@@ -72,3 +72,13 @@ def test_a_replica_lost_mid_run_keeps_the_rows_and_writes_a_partial_report(stubs
     summary = json.loads((out / "summary.json").read_text())
     assert summary["cross_replica"]["lengths"][0]["comparison"]["off"]["n"] == 2
     assert "Partial report" in (out / "report.md").read_text()
+
+
+def test_skip_off_warm_sends_replica_a_nothing_in_off_blocks(stubs, tiny_model, tmp_path):
+    urls, out = ",".join(stubs), tmp_path / "cross"
+    result = _kvshare("bench", "cross-replica", "--off", urls, "--on", urls, "--tokenizer", str(tiny_model),
+                      "--lengths", "64", "--per-block", "1", "--skip-off-warm", "--out", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = read_rows(out / "requests.jsonl")
+    assert [r.block for r in rows if r.kind == "measured"] == ["OFF1", "ON1", "ON2", "OFF2"]
+    assert [r.block for r in rows if r.kind == "warm"] == ["ON1", "ON2"]

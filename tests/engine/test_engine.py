@@ -136,3 +136,13 @@ def test_abort_ends_a_request(make_engine):
     assert events[-1].finish_reason == "abort" and len(events) < 50
     assert run(engine, prompt(20)).finished.finish_reason == "length"
     engine.block_manager.check_integrity()
+
+
+def test_kv_caches_of_all_layers_move_as_one_transfer_group(make_engine):
+    """One allocation for every layer: the transfer layer moves a chunk of all layers with one kernel per slot."""
+    from kvshare.transfer import KVLayout
+    from kvshare.transfer.blocks import build_block_space
+
+    engine = make_engine()
+    layout = KVLayout.from_tensors(engine.kv_caches, kind="packed_kv", block_size=engine.block_size)
+    assert len(build_block_space(layout, engine.kv_caches).groups) == 1
