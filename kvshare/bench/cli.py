@@ -62,6 +62,8 @@ def _deployment_flags(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--max-model-len", type=int, help="--max-model-len of local replicas")
     target.add_argument("--gpus", default="", help="CUDA_VISIBLE_DEVICES of local replicas A,B, e.g. 0,1")
     target.add_argument("--load-format", default="", help="--load-format of local replicas (e.g. dummy)")
+    target.add_argument("--no-verify-checksums", action="store_true",
+                        help="local replicas skip hashing loaded chunks (say so when you report the figures)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the documents, orders and bootstrap")
     parser.add_argument("--out", type=Path, help="output folder (default: bench-results/<command>-<time>)")
 

@@ -60,6 +60,7 @@ class LocalConfig:
     ready_timeout_s: float = 300.0
     load_format: str = ""  # e.g. "dummy" for the qwen2.5-32b config-only preset; empty: the server's default
     gpus: tuple[str, ...] = ()  # CUDA_VISIBLE_DEVICES of replica A and B (e.g. ("0", "1")); empty: inherit
+    verify_checksums: bool = True  # False: replicas trust the pool's bytes (hashing 64 GiB costs seconds)
 
 
 class EndpointDeployment:
@@ -149,7 +150,8 @@ class LocalDeployment:
     def describe(self) -> str:
         c = self.config
         return (f"local: pool {c.pool_size} (ON arm only), two `kvshare serve` replicas of {c.model_dir.name} on "
-                f"{c.device} with --threads {c.threads} in both arms, chunk {c.chunk_tokens} tokens")
+                f"{c.device} with --threads {c.threads} in both arms, chunk {c.chunk_tokens} tokens"
+                + ("" if c.verify_checksums else ", loaded chunks not checksummed"))
 
     def close(self) -> None:
         self._stop_serving()
@@ -199,6 +201,8 @@ class LocalDeployment:
             argv += ["--max-model-len", str(c.max_model_len)]
         if c.load_format:
             argv += ["--load-format", c.load_format]
+        if not c.verify_checksums:
+            argv.append("--no-verify-checksums")
         env = {"CUDA_VISIBLE_DEVICES": c.gpus[index]} if c.gpus else None
         process = ManagedProcess(f"replica-{name}", argv, c.log_dir / f"replica-{name}-{arm}.log", env)
         self.replicas.append(process)

@@ -128,7 +128,7 @@ def deployment_factory(args: argparse.Namespace, out_dir: Path) -> Callable[[], 
                              pool_size=args.pool_size, chunk_tokens=args.chunk_tokens, device=args.device,
                              max_model_len=args.max_model_len,
                              gpus=tuple(g.strip() for g in args.gpus.split(",") if g.strip()),
-                             load_format=args.load_format)
+                             load_format=args.load_format, verify_checksums=not args.no_verify_checksums)
         return lambda: LocalDeployment(config)
     if not (args.off and args.on):
         raise BenchError("no deployment: pass --local MODEL_DIR, or both --off URLS and --on URLS")

@@ -111,3 +111,27 @@ def test_a_pool_that_dies_or_restarts_changes_no_output(engines):
         a.connector.core.flush()
         tokens, usage = run(b, after)
         assert usage.pool_hit_tokens == 96 and tokens == run(off, after)[0]
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_corrupted_pool_bytes_are_recomputed_only_when_checksums_are_verified(engines, verify):
+    """Flip bytes in every page after A stored: a verifying B recomputes (the cache-OFF tokens, no pool hit); with
+    verify_checksums=False (`kvshare serve --no-verify-checksums`) B trusts and loads them."""
+    from kvshare.pool.client import PoolClient
+
+    off, a, b = engines
+    prompt = prompt_of(100, seed=5)
+    with start_pool("64MiB", page_size="64KiB") as (address, _):
+        attach(a, address)
+        attach(b, address, verify_checksums=verify)
+        reference, _ = run(off, prompt)
+        run(a, prompt)
+        a.connector.core.flush()
+        with PoolClient.connect(address) as client:
+            client.torch_pages().view(-1)[::512] += 1
+        tokens_b, usage_b = run(b, prompt, rid="b")
+    if verify:
+        assert usage_b.pool_hit_tokens == 0 and tokens_b == reference
+        assert b.connector.stats.errors >= 1
+    else:
+        assert usage_b.pool_hit_tokens == 96
