@@ -16,12 +16,14 @@ PY=${PYTHON:-python3}
 export COLUMNS=${COLUMNS:-160}  # the summary tables are printed for a log, not a terminal
 PRESET=${PRESET:-qwen2.5-32b}
 DEVICE=${DEVICE:-cuda}
-MODEL=${MODEL:-/tmp/kvshare-models/$PRESET}
+if [ -z "${MODEL:-}" ]; then  # generated afresh each call (config + tokenizer only: seconds)
+  MODEL=$(mktemp -d)/$PRESET
+  $PY -m kvshare.cli make-model --preset "$PRESET" --out "$MODEL"
+fi
 rm -f /dev/shm/kvshare-*  # an arena left by a run the call limit killed
 mkdir -p "$OUT/$part"
 { date -u; nvidia-smi --query-gpu=index,name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv \
   || true; df -h /dev/shm; free -g; nproc; } > "$OUT/$part/machine.txt" 2>&1
-[ -d "$MODEL" ] || $PY -m kvshare.cli make-model --preset "$PRESET" --out "$MODEL"
 # Loaded chunks are not checksummed (as in docs/results/h200 runs 3-4): hashing 64 GiB on one host core would add
 # ~3 s to a 256k hit; byte-exactness of the path is what `kvshare validate transfer` proves.
 common=(--local "$MODEL" --device "$DEVICE" --gpus "${GPUS-0,1}" --load-format dummy --max-model-len "${MAXLEN:-262144}"

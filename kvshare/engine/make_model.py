@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kvshare.engine.config import ModelConfig
 from kvshare.engine.weights import dummy_state_dict
@@ -136,7 +136,12 @@ def make_model(preset: str, out: str | Path, seed: int = 0) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     fill = p.vocab_size if p.tokenizer_vocab >= p.vocab_size else 0
     tokenizer = train_tokenizer(p.tokenizer_vocab, fill, seed)
-    tokenizer.save(str(out / "tokenizer.json"))
+    # A real model's tokenizer covers its whole vocabulary: ids past the trained BPE decode to placeholder text, so
+    # the tokens a dummy-weight model samples stream as text (a client's TTFT is its first text, not its first id).
+    missing = p.vocab_size - tokenizer.get_vocab_size(with_added_tokens=True)
+    if missing > 0:
+        tokenizer.add_tokens([AddedToken(f"<|t{i}|>", special=False, normalized=False) for i in range(missing)])
+    tokenizer.save(str(out / "tokenizer.json"), pretty=False)
     bos_id, eos_id = tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOS)
     config = hf_config(p, bos_id, eos_id)
     write_json(out / "config.json", config)

@@ -62,3 +62,12 @@ def test_cli_writes_config_only_32b_preset(tmp_path):
     assert json.loads((tmp_path / "q" / "generation_config.json").read_text())["eos_token_id"]
     with pytest.raises(FileNotFoundError, match="load-format dummy"):
         load_model(tmp_path / "q", "auto", "cpu", torch.float32)
+
+
+def test_every_id_of_a_config_only_preset_decodes_to_text(tmp_path):
+    """The 32B shape trains a 1k BPE; the rest of its 152k ids must still be text, or a dummy model's answer streams
+    nothing and no client sees a first token."""
+    from kvshare.engine.make_model import make_model
+
+    tokenizer = Tokenizer.from_dir(make_model("qwen2.5-32b", tmp_path / "q"))
+    assert all(tokenizer.decode([i]) for i in (2000, 100000, 152063))
