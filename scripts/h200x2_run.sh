@@ -22,6 +22,11 @@ if [ -z "${MODEL:-}" ]; then  # generated afresh each call (config + tokenizer o
 fi
 rm -f /dev/shm/kvshare-*  # an arena left by a run the call limit killed
 mkdir -p "$OUT/$part"
+flatten_logs() {  # replica, pool and router logs one folder up, where the device tool returns them
+  for f in "$OUT/$part"/*/logs/*.log; do [ -e "$f" ] && cp "$f" "$OUT/$part/$(basename "$(dirname "$(dirname "$f")")")-$(basename "$f")"; done
+  return 0
+}
+trap flatten_logs EXIT
 { date -u; nvidia-smi --query-gpu=index,name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv \
   || true; df -h /dev/shm; free -g; nproc; } > "$OUT/$part/machine.txt" 2>&1
 # Loaded chunks are not checksummed (as in docs/results/h200 runs 3-4): hashing 64 GiB on one host core would add
