@@ -7,7 +7,8 @@
 #   bash scripts/h200x2_run.sh cross256   cross-replica at 255k (261120 tokens + a 64-token question: fits 262144)
 #   bash scripts/h200x2_run.sh sessions   six-turn sessions at 32k and 128k, alternate vs fixed, pool OFF vs ON
 #
-# Results go to $OUT/<part>/ (rows, report.md, summary.json, plots, replica logs). Environment overrides for a dry run
+# Results go to $OUT/<part>.tar.gz (rows, report.md, summary.json, plots, replica logs: one file, since the device
+# tool returns only a few files per call). Environment overrides for a dry run
 # on a CPU machine: PRESET=small DEVICE=cpu GPUS= LENGTHS=512 CONTEXTS=1k POOL=2GiB MAXLEN=4096.
 set -euo pipefail
 part=${1:?usage: h200x2_run.sh check|cross256|sessions}
@@ -22,11 +23,10 @@ if [ -z "${MODEL:-}" ]; then  # generated afresh each call (config + tokenizer o
 fi
 rm -f /dev/shm/kvshare-*  # an arena left by a run the call limit killed
 mkdir -p "$OUT/$part"
-flatten_logs() {  # replica, pool and router logs one folder up, where the device tool returns them
-  for f in "$OUT/$part"/*/logs/*.log; do [ -e "$f" ] && cp "$f" "$OUT/$part/$(basename "$(dirname "$(dirname "$f")")")-$(basename "$f")"; done
-  return 0
+pack() {  # the device tool returns only a few files per call: one archive per part (rows, reports, plots, logs)
+  tar czf "$OUT/$part.tar.gz" -C "$OUT" "$part" && rm -rf "${OUT:?}/$part"
 }
-trap flatten_logs EXIT
+trap pack EXIT
 { date -u; nvidia-smi --query-gpu=index,name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv \
   || true; df -h /dev/shm; free -g; nproc; } > "$OUT/$part/machine.txt" 2>&1
 # Loaded chunks are not checksummed (as in docs/results/h200 runs 3-4): hashing 64 GiB on one host core would add

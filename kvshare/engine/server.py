@@ -73,10 +73,10 @@ class _Validator:
                                 "(see /v1/models)", param="model", code="model_not_found")
 
     def check_ids(self, ids: Sequence[int], param: str) -> None:
-        bad = [i for i in ids if not 0 <= i < self.tokenizer.vocab_size]
+        vocab = self.tokenizer.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
-            raise ApiError(400, f"token id {bad[0]} in '{param}' is outside the vocabulary "
-                                f"[0, {self.tokenizer.vocab_size})", param=param)
+            raise ApiError(400, f"token id {bad[0]} in '{param}' is outside the vocabulary [0, {vocab})", param=param)
 
     def max_tokens(self, asked: int | None, prompt_len: int, default: int | None) -> int:
         """The completion budget; the prompt plus it must fit in max_model_len (both numbers in the message)."""
