@@ -237,12 +237,10 @@ class ConnectorCore:
         instance, transfer = self._attached
         if transfer is None or hit.pool_instance != instance:
             return False  # the pool restarted since the lookup: those page numbers now mean other bytes
-        if self.config.verify_checksums:
-            for pages, nbytes, checksum in zip(hit.pages, hit.nbytes, hit.checksums):
-                if transfer.checksum(pages, nbytes) != checksum:
-                    self.stats.errors += 1
-                    log.error("pool chunk failed its checksum; recomputing (pages %s)", pages[:4])
-                    return False
+        # Verification hashes the pages on background threads while the copies run (they only read the pages, which
+        # the read lease keeps unchanged). A mismatch fails the load after its copies have written the blocks: a
+        # failed load's blocks count as not computed, and the engine (or vLLM's recompute policy) recomputes them.
+        verifying = transfer.start_checksums(zip(hit.pages, hit.nbytes)) if self.config.verify_checksums else []
         per_chunk = self.chunk_tokens // self._layout.block_size
         skip_below = num_computed // self._layout.block_size
         jobs = []
@@ -250,8 +248,17 @@ class ConnectorCore:
             first_block = (hit.first_chunk + i) * per_chunk
             blocks = [b if first_block + j >= skip_below else -1 for j, b in enumerate(block_ids[first_block : first_block + per_chunk])]
             jobs.append(LoadJob(pages=pages, block_ids=blocks))
-        # wait(): the lease is released right after, so the host must know the page reads are finished (I3).
-        transfer.load(jobs).wait()
+        handle = transfer.load(jobs)
+        try:
+            bad = [pages for pages, want, got in zip(hit.pages, hit.checksums, verifying) if got.result() != want]
+        finally:
+            # wait(), also when hashing raised: the lease is released right after, so the host must know the page
+            # reads are finished (I3).
+            handle.wait()
+        if bad:
+            self.stats.errors += 1
+            log.error("%d pool chunk(s) failed their checksum; recomputing (pages %s)", len(bad), bad[0][:4])
+            return False
         return True
 
     def store(self, token_ids: Sequence[int], block_ids: Sequence[int], num_stored: int, salt: str = "") -> StoreHandle | None:
@@ -342,7 +349,7 @@ class _Committer:
             core = self._core
             try:
                 handle.wait()  # the bytes are in the pages only after this (I2, I4)
-                checksums = [transfer.checksum(ref.pages, ref.nbytes) for ref in refs]
+                checksums = [f.result() for f in transfer.start_checksums((ref.pages, ref.nbytes) for ref in refs)]
             except Exception as error:  # noqa: BLE001 - an unfinished store is dropped; its lease times out
                 core.stats.errors += 1
                 log.warning("pool store copy failed (%s); dropping it", error)

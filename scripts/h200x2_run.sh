@@ -29,10 +29,11 @@ pack() {  # the device tool returns only a few files per call: one archive per p
 trap pack EXIT
 { date -u; nvidia-smi --query-gpu=index,name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv \
   || true; df -h /dev/shm; free -g; nproc; } > "$OUT/$part/machine.txt" 2>&1
-# Loaded chunks are not checksummed (as in docs/results/h200 runs 3-4): hashing 64 GiB on one host core would add
-# ~3 s to a 256k hit; byte-exactness of the path is what `kvshare validate transfer` proves.
+# Loaded chunks are not checksummed unless VERIFY=1 (comparable with docs/results/h200 runs 3-4, which predate the
+# parallel hashing that overlaps the copies); byte-exactness of the path is what `kvshare validate transfer` proves.
 common=(--local "$MODEL" --device "$DEVICE" --gpus "${GPUS-0,1}" --load-format dummy --max-model-len "${MAXLEN:-262144}"
-        --pool-size "${POOL:-100GiB}" --no-verify-checksums)
+        --pool-size "${POOL:-100GiB}")
+[ "${VERIFY:-0}" = 1 ] || common+=(--no-verify-checksums)
 cross() {  # cross-replica OFF-ON-ON-OFF, one request per length and block; A's request skipped in OFF blocks
   $PY -m kvshare.cli bench cross-replica "${common[@]}" --lengths "$1" --per-block 1 --question-tokens 64 \
     --max-tokens 8 --skip-off-warm --out "$OUT/$part/cross-$2"

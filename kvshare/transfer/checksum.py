@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import lru_cache
+from typing import Iterable, Sequence
 
 import torch
 import xxhash
+
+HASH_THREADS = max(1, min(16, os.cpu_count() or 1))
 
 
 def packed_checksum(pages: torch.Tensor, page_ids: Sequence[int], nbytes: int, used_per_page: int) -> int:
@@ -21,3 +26,17 @@ def packed_checksum(pages: torch.Tensor, page_ids: Sequence[int], nbytes: int, u
         length = min(used_per_page, nbytes - k * page_size)
         digest.update(memoryview(pages[page, :length].numpy()))
     return digest.intdigest()
+
+
+@lru_cache(maxsize=1)
+def _hashers() -> ThreadPoolExecutor:
+    # xxhash releases the GIL on large buffers (a 2 GiB hash stalls another Python thread for one switch interval
+    # only), so chunks hash in parallel and beside the engine thread. Created on first use, shared by a process.
+    return ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="kvshare-hash")
+
+
+def start_checksums(pages: torch.Tensor, chunks: Iterable[tuple[Sequence[int], int]],
+                    used_per_page: int) -> list[Future]:
+    """packed_checksum of each (page ids, nbytes), computed on the hashing threads; futures in input order."""
+    pool = _hashers()
+    return [pool.submit(packed_checksum, pages, page_ids, nbytes, used_per_page) for page_ids, nbytes in chunks]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from concurrent.futures import Future
+from typing import Iterable, Literal, Sequence
 
 import torch
 
 from kvshare.transfer.blocks import BlockSpace, build_block_space
-from kvshare.transfer.checksum import packed_checksum
+from kvshare.transfer.checksum import packed_checksum, start_checksums
 from kvshare.transfer.jobs import ChunkPlan, Handle, LoadJob, StoreJob, plan
 from kvshare.transfer.layout import KVLayout
 
@@ -62,6 +63,11 @@ class Transfer:
     def checksum(self, pages: Sequence[int], nbytes: int) -> int:
         """xxh3-64 of a stored chunk (see checksum.packed_checksum); only after its store is done."""
         return packed_checksum(self.pages, pages, nbytes, self.units_per_page * self.layout.block_bytes)
+
+    def start_checksums(self, chunks: Iterable[tuple[Sequence[int], int]]) -> list[Future]:
+        """The checksums of many chunks, hashed in parallel on background threads; futures in input order. The
+        caller keeps the pages unchanged until every future is done (a read lease, or a finished store)."""
+        return start_checksums(self.pages, chunks, self.units_per_page * self.layout.block_bytes)
 
     def _store(self, plans: list[ChunkPlan]) -> Handle:
         raise NotImplementedError

@@ -48,6 +48,8 @@ def test_round_trip_is_byte_exact(arena, case):
         expected = reference_chunk(layout, layers, sources[c])
         assert np.array_equal(stored, expected)
         assert transfer.checksum(page_ids[c].tolist(), nbytes) == xxhash.xxh3_64_intdigest(expected)
+    hashed = transfer.start_checksums((page_ids[c].tolist(), nbytes) for c in range(chunks))  # parallel, in order
+    assert [f.result() for f in hashed] == [transfer.checksum(page_ids[c].tolist(), nbytes) for c in range(chunks)]
 
     before = {(l, b): block_bytes_of(layout, layers[l], b) for l in range(layout.num_layers) for b in range(layout.num_blocks)}
     loads = [[SKIP if (skip_first and i == 0) else b for i, b in enumerate(t)] for t in targets]
