@@ -76,7 +76,7 @@ def run_cross_replica(
             _check_lengths(config, info.max_model_len)
             run.warm_up(endpoints.replicas, info.name, block[0])
             for planned in block:
-                run.pair(endpoints.replicas, info.name, planned)
+                run.pair(endpoints.replicas, info.name, planned, deployment.settle)
 
 
 @dataclass
@@ -87,7 +87,8 @@ class _Run:
     writer: RowWriter
     on_row: Callable[[RequestRow], None]
 
-    def pair(self, replicas: tuple[str, ...], model: str, planned: PlannedRequest) -> None:
+    def pair(self, replicas: tuple[str, ...], model: str, planned: PlannedRequest,
+             settle: Callable[[], None] = lambda: None) -> None:
         """Warm request on replica A (computes; stores when ON), then the measured one on replica B. In OFF blocks
         A's request can be skipped (off_warm=False): with no pool it reaches nothing B reads, so it only costs time
         (two minutes a request at 256k on an H200)."""
@@ -96,6 +97,7 @@ class _Run:
         warm_q, measured_q = (document_ids(self.codec, c.question_tokens, c.seed, planned.stream, i) for i in (1, 2))
         if planned.arm == "ON" or c.off_warm:
             self.send(replicas[0], model, document + warm_q, c.max_tokens, "warm", planned)
+            settle()  # A's stores are committed after its last byte: B must find the whole document (untimed)
         self.send(replicas[-1], model, document + measured_q, c.max_tokens, "measured", planned)
 
     def warm_up(self, replicas: tuple[str, ...], model: str, first: PlannedRequest) -> None:

@@ -41,6 +41,10 @@ class Deployment(Protocol):
     def activate(self, arm: str, policy: str | None = None) -> Endpoints:
         """Make `arm` ("OFF" | "ON") live, with the router on `policy` when one is needed, and return its endpoints."""
 
+    def settle(self) -> None:
+        """Return once the stores of requests that have finished are visible to the next request, where the
+        deployment can know (a request's stores are committed after its last byte). Never inside a timed window."""
+
     def describe(self) -> str: ...
 
     def close(self) -> None: ...
@@ -74,6 +78,9 @@ class EndpointDeployment:
         if policy and endpoints.router:
             set_router_policy(endpoints.router, policy)
         return endpoints
+
+    def settle(self) -> None:
+        pass  # the user's pool is out of reach: the harness cannot see when its stores are committed
 
     def describe(self) -> str:
         return "; ".join(f"{arm}: {', '.join(e.replicas)}" + (f" via {e.router}" if e.router else "")
@@ -152,6 +159,17 @@ class LocalDeployment:
         return (f"local: pool {c.pool_size} (ON arm only), two `kvshare serve` replicas of {c.model_dir.name} on "
                 f"{c.device} with --threads {c.threads} in both arms, chunk {c.chunk_tokens} tokens"
                 + ("" if c.verify_checksums else ", loaded chunks not checksummed"))
+
+    def settle(self, timeout_s: float = 300.0) -> None:
+        """Wait until the pool holds no reservation: every store issued so far is committed (or dropped)."""
+        if self.arm != "ON" or self.pool is None:
+            return
+        from kvshare.pool.client import PoolClient
+
+        deadline = time.monotonic() + timeout_s
+        with PoolClient.connect(self.pool_socket, map_arena=False) as client:
+            while client.stats().pages_reserved and time.monotonic() < deadline:
+                time.sleep(0.02)
 
     def close(self) -> None:
         self._stop_serving()

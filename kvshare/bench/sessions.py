@@ -88,13 +88,16 @@ def run_sessions(
                         script = session_script(codec, context, config.turns, config.user_tokens, config.seed,
                                                 stream=((a * 16 + p) * 64 + c) * 1024 + s)
                         session_id = f"{arm}-{placement}-{context[0]}-{s}-seed{config.seed}"
-                        _run_session(http, endpoints, model, script, arm, placement, session_id, config, writer, on_row)
+                        _run_session(http, endpoints, model, script, arm, placement, session_id, config, writer, on_row,
+                                     deployment.settle)
 
 
 def _run_session(http: httpx.Client, endpoints: Endpoints, model: str, script: SessionScript, arm: str,
-                 placement: str, session_id: str, config: SessionsConfig, writer: RowWriter, on_row) -> None:
+                 placement: str, session_id: str, config: SessionsConfig, writer: RowWriter, on_row,
+                 settle: Callable[[], None]) -> None:
     messages: list[dict[str, str]] = []
     for turn, user_message in enumerate(script.user_messages, start=1):
+        settle()  # the user's think time: the previous turn's stores are committed before the next turn (untimed)
         messages.append({"role": "user", "content": user_message})
         url = target(endpoints, placement, session_id, turn)
         row, answer = timed_row(
