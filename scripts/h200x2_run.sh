@@ -34,8 +34,11 @@ trap pack EXIT
 common=(--local "$MODEL" --device "$DEVICE" --gpus "${GPUS-0,1}" --load-format dummy --max-model-len "${MAXLEN:-262144}"
         --pool-size "${POOL:-100GiB}")
 [ "${VERIFY:-0}" = 1 ] || common+=(--no-verify-checksums)
+# Each benchmark stops itself (SIGTERM: it stops its processes and writes a partial report) before the device
+# tool's 10-minute limit would kill the call without packing the archive.
+bench() { timeout -s TERM "${PART_TIMEOUT:-575}" $PY -m kvshare.cli bench "$@" || echo "bench exited with $?"; }
 cross() {  # cross-replica OFF-ON-ON-OFF, one request per length and block; A's request skipped in OFF blocks
-  $PY -m kvshare.cli bench cross-replica "${common[@]}" --lengths "$1" --per-block 1 --question-tokens 64 \
+  bench cross-replica "${common[@]}" --lengths "$1" --per-block 1 --question-tokens 64 \
     --max-tokens 8 --skip-off-warm --out "$OUT/$part/cross-$2"
 }
 case $part in
@@ -48,7 +51,7 @@ case $part in
   cross256)
     cross "${LENGTHS:-261120}" 255k ;;
   sessions)
-    $PY -m kvshare.cli bench sessions "${common[@]}" --contexts "${CONTEXTS:-32k,128k}" --turns 6 --user-tokens 256 \
+    bench sessions "${common[@]}" --contexts "${CONTEXTS:-32k,128k}" --turns 6 --user-tokens 256 \
       --answer-tokens 32 --sessions 1 --out "$OUT/$part/sessions" ;;
   *) echo "unknown part $part: check|cross256|sessions" >&2; exit 2 ;;
 esac
