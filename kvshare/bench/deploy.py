@@ -164,12 +164,15 @@ class LocalDeployment:
         """Wait until the pool holds no reservation: every store issued so far is committed (or dropped)."""
         if self.arm != "ON" or self.pool is None:
             return
-        from kvshare.pool.client import PoolClient
+        from kvshare.pool.client import PoolClient, PoolError
 
         deadline = time.monotonic() + timeout_s
-        with PoolClient.connect(self.pool_socket, map_arena=False) as client:
-            while client.stats().pages_reserved and time.monotonic() < deadline:
-                time.sleep(0.02)
+        try:
+            with PoolClient.connect(self.pool_socket, map_arena=False) as client:
+                while client.stats().pages_reserved and time.monotonic() < deadline:
+                    time.sleep(0.02)
+        except (PoolError, OSError) as error:  # a pool that is gone has nothing left to commit; replicas recompute
+            log.warning("could not wait for the pool's stores (%s); going on", error)
 
     def close(self) -> None:
         self._stop_serving()

@@ -33,4 +33,6 @@ def test_settle_waits_for_the_commit_of_an_open_reservation(tmp_path):
             assert len(client.lookup(NS, keys, tokens).chunks) == 2
         deployment.arm = "OFF"
         deployment.settle(timeout_s=0)  # no pool in the OFF arm: returns at once
-        deployment._tmp.cleanup()
+    deployment.arm = "ON"
+    deployment.settle(timeout_s=5)  # the pool is gone: nothing left to commit, and the benchmark goes on
+    deployment._tmp.cleanup()
