@@ -25,6 +25,7 @@ from kvshare.engine import attention, model
 from kvshare.engine.config import ModelConfig
 from kvshare.engine.make_model import make_model
 from kvshare.engine.model import DecoderLayer, Rotary
+from h200_prefill import layer_flops  # scripts/ is on sys.path when this script runs
 
 MATMUL_PEAK, ATTENTION_PEAK = 719e12, 602e12  # measured on the H200 (../shared/FACTS.md)
 BACKENDS = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
@@ -49,12 +50,11 @@ def sync(device: torch.device) -> None:
 
 
 def attention_flops(c: ModelConfig, length: int) -> float:
-    return 2 * length * length * c.num_heads * c.head_dim  # QK^T and PV, halved by the causal mask
+    return layer_flops(c, length)[1]
 
 
 def layer_matmul_flops(c: ModelConfig, length: int) -> float:
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    return 2 * length * (c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size)
+    return layer_flops(c, length)[0]
 
 
 def attention_variants(c: ModelConfig, length: int, device: torch.device, dtype: torch.dtype) -> list[dict]:

@@ -23,12 +23,18 @@ from kvshare.engine.make_model import make_model
 ROOFLINE = 790e12
 
 
-def prefill_flops(c: ModelConfig, tokens: int, context: int = 0) -> float:
-    """Matmul FLOPs of prefilling `tokens` new tokens after `context` cached ones (causal attention counted half)."""
+def layer_flops(c: ModelConfig, tokens: int, context: int = 0) -> tuple[float, float]:
+    """(projection + MLP, attention) matmul FLOPs of one layer prefilling `tokens` new tokens after `context` cached
+    ones (causal attention counted half)."""
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     dense = 2 * tokens * (c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size)
     attention = 4 * c.num_heads * c.head_dim * (tokens * context + tokens * tokens / 2)
-    return c.num_layers * (dense + attention)
+    return dense, attention
+
+
+def prefill_flops(c: ModelConfig, tokens: int, context: int = 0) -> float:
+    """Matmul FLOPs of the whole model prefilling `tokens` new tokens after `context` cached ones."""
+    return c.num_layers * sum(layer_flops(c, tokens, context))
 
 
 def peak_gib() -> float:

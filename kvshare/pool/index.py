@@ -28,10 +28,6 @@ class Entry:
     page_bytes: bytes = b""  # pages as little-endian uint32 (set by add_reserved; pages never change)
     record: bytes = b""  # CHUNK_RECORD (set by commit, when the checksum is known)
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens) // 4
-
 
 @dataclass
 class ChunkIndex:
@@ -43,14 +39,6 @@ class ChunkIndex:
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.committed or key in self.reserved
-
-    def get(self, key: bytes) -> Entry | None:
-        """A committed chunk (never a reserved one: I2)."""
-        return self.committed.get(key)
-
-    def touch(self, entry: Entry) -> None:
-        """Mark most recently used."""
-        self.committed.move_to_end(entry.key)
 
     def add_reserved(self, entry: Entry) -> None:
         entry.page_bytes = struct.pack(f"<{len(entry.pages)}I", *entry.pages)

@@ -33,7 +33,7 @@ class LeaseTable:
     def __iter__(self):
         return iter(list(self._leases.values()))
 
-    def new(self, kind: str, client: int, keys: list[bytes], now: float, pages: int = 0) -> Lease:
+    def new(self, kind: str, client: int, keys: list[bytes], now: float, pages: int) -> Lease:
         lease = Lease(self._next_id, kind, client, keys, now + self.timeout, pages)
         self._next_id += 1
         self._leases[lease.id] = lease

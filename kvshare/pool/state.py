@@ -1,7 +1,8 @@
 """The pool's request semantics without any I/O: HELLO, LOOKUP, RESERVE, COMMIT, RELEASE, CLEAR, lease expiry.
 
 The server calls these from its single event-loop thread, so no method needs a lock; each either completes or
-raises RequestError having changed nothing. Unit tests drive this class directly, without sockets.
+raises RequestError having changed nothing - except that a RESERVE refused for space may first have evicted
+unleased chunks trying to make room. Unit tests drive this class directly, without sockets.
 """
 
 from __future__ import annotations
@@ -61,9 +62,6 @@ class PoolState:
 
     def lookup(self, client: int, namespace: bytes, keys: list[bytes], tokens: list[bytes]) -> LookupReply:
         """The longest prefix of `keys` whose committed chunks match namespace, parent and tokens, read-leased."""
-        if len(keys) != len(tokens):
-            self._check_namespace(namespace)
-            raise RequestError(ErrorCode.BAD_REQUEST, f"LOOKUP has {len(keys)} keys but {len(tokens)} token lists")
         return self.lookup_joined(client, namespace, keys, memoryview(b"".join(tokens)), [len(t) for t in tokens])
 
     def lookup_joined(self, client: int, namespace: bytes, keys: list[bytes], blob: bytes | memoryview,
@@ -77,7 +75,9 @@ class PoolState:
         if sum(lengths) != len(blob) or min(lengths, default=0) < 0:
             raise RequestError(ErrorCode.BAD_REQUEST, f"LOOKUP token lengths add up to {sum(lengths)}, not to the "
                                f"{len(blob)} token bytes sent")
-        hits = self._verified_prefix(namespace, keys, blob, lengths)
+        hits, failed = self.verified_prefix(namespace, keys, blob, lengths)
+        if failed:
+            self.counters["verify_failures"] += 1
         hits, pages = self._within_lease_limit(client, hits)
         n = len(hits)
         hit_bytes = sum(lengths[:n])
@@ -95,15 +95,15 @@ class PoolState:
         lease = self.leases.new(READ, client, keys[:n], self.clock(), pages)
         return LookupReply(lease.id, b"".join([e.record for e in hits]), b"".join([e.page_bytes for e in hits]))
 
-    def _verified_prefix(self, namespace: bytes, keys: list[bytes], blob: bytes | memoryview,
-                         lengths: list[int]) -> list[Entry]:
-        """The committed entries of the longest prefix of `keys` whose namespace, parent chain and tokens match.
+    def verified_prefix(self, namespace: bytes, keys: list[bytes], blob: bytes | memoryview,
+                        lengths: list[int]) -> tuple[list[Entry], bool]:
+        """The committed entries of the longest prefix of `keys` whose namespace, parent chain and tokens match, and
+        whether a found key failed verification. No side effects (the L2 tier asks before it promotes).
 
         Each check runs over the whole prefix at once (map and list comparisons run in C: a Python loop over 1,024
         chunks costs ~0.3 ms) and chunk by chunk only to find where one fails. Tokens are compared as one joined
         memcmp; comparing the lengths too makes that exactly the per-chunk comparison. A found key whose parent,
-        namespace or tokens differ counts one verify failure: a hash collision or a caller bug is a miss, never
-        wrong KV."""
+        namespace or tokens differ is a verify failure: a hash collision or a caller bug is a miss, never wrong KV."""
         hits = list(map(self.index.committed.get, keys))  # committed only: a reserved chunk is invisible (I2)
         if None in hits:  # Entry compares by identity, so this is a C scan
             hits = hits[: hits.index(None)]
@@ -123,9 +123,7 @@ class PoolState:
                     hits, failed = hits[:i], True
                     break
                 offset += expected_length
-        if failed:
-            self.counters["verify_failures"] += 1
-        return hits
+        return hits, failed
 
     def reserve(self, client: int, namespace: bytes, chunks: list[NewChunk]) -> ReserveReply:
         """Pages for every chunk not already committed or reserved, under one write lease; all or nothing."""
@@ -257,8 +255,10 @@ class PoolState:
         return hits[:n], sum(counts[:n])
 
     def _check_lease_limit(self, client: int, needed: int) -> None:
+        if not (self.lease_limit and needed):
+            return
         held = self.leases.pages_of(client)
-        if self.lease_limit and needed and held + needed > self.lease_limit:
+        if held + needed > self.lease_limit:
             self.counters["lease_limited"] += 1
             raise RequestError(
                 ErrorCode.LEASE_LIMIT,

@@ -135,17 +135,12 @@ class L2Tier:
             self.counters.add(l2_errors=1)
 
     def _l1_prefix(self, namespace: bytes, keys: list[bytes], tokens: list[bytes]) -> int | None:
-        """How many leading keys L1 would hit (the same checks as PoolState.lookup, without side effects); None
-        for a request that PoolState.lookup will refuse anyway."""
+        """How many leading keys L1 would hit (PoolState's own verification, without side effects); None for a
+        request that PoolState.lookup will refuse anyway."""
         if namespace not in self.state.namespaces or len(keys) != len(tokens):
             return None
-        parent = namespace
-        for i, (key, expected) in enumerate(zip(keys, tokens)):
-            entry = self.state.index.get(key)
-            if entry is None or entry.parent != parent or entry.namespace != namespace or entry.tokens != expected:
-                return i
-            parent = key
-        return len(keys)
+        hits, _ = self.state.verified_prefix(namespace, keys, b"".join(tokens), list(map(len, tokens)))
+        return len(hits)
 
     # ---- observation and shutdown ------------------------------------------------------------------------------
 

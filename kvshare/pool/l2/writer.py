@@ -58,9 +58,6 @@ class WriteBehind:
         except queue.Full:
             return False
 
-    def depth(self) -> int:
-        return self.queue.qsize()
-
     def stop(self) -> None:
         try:
             self.queue.put(None, timeout=1.0)  # wakes the worker; daemon thread, so a stuck one cannot block exit
