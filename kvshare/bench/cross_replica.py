@@ -37,8 +37,12 @@ class CrossReplicaConfig:
     @property
     def total_requests(self) -> int:
         """HTTP requests in the whole design (warm + measured), for the progress bar."""
-        warmed = sum(1 for _, arm in BLOCKS if arm == "ON" or self.off_warm)
+        warmed = sum(1 for _, arm in BLOCKS if self.warms(arm))
         return (len(BLOCKS) + warmed) * len(self.lengths) * self.per_block
+
+    def warms(self, arm: str) -> bool:
+        """Whether replica A serves the document before B in this arm (always when ON: that is what B loads)."""
+        return arm == "ON" or self.off_warm
 
 
 @dataclass(frozen=True)
@@ -87,15 +91,14 @@ class _Run:
     writer: RowWriter
     on_row: Callable[[RequestRow], None]
 
-    def pair(self, replicas: tuple[str, ...], model: str, planned: PlannedRequest,
-             settle: Callable[[], None] = lambda: None) -> None:
+    def pair(self, replicas: tuple[str, ...], model: str, planned: PlannedRequest, settle: Callable[[], None]) -> None:
         """Warm request on replica A (computes; stores when ON), then the measured one on replica B. In OFF blocks
         A's request can be skipped (off_warm=False): with no pool it reaches nothing B reads, so it only costs time
         (two minutes a request at 256k on an H200)."""
         c = self.config
         document = document_ids(self.codec, planned.length, c.seed, planned.stream)
         warm_q, measured_q = (document_ids(self.codec, c.question_tokens, c.seed, planned.stream, i) for i in (1, 2))
-        if planned.arm == "ON" or c.off_warm:
+        if c.warms(planned.arm):
             self.send(replicas[0], model, document + warm_q, c.max_tokens, "warm", planned)
             settle()  # A's stores are committed after its last byte: B must find the whole document (untimed)
         self.send(replicas[-1], model, document + measured_q, c.max_tokens, "measured", planned)

@@ -24,6 +24,7 @@ from typing import Iterator, Protocol
 import httpx
 
 from kvshare.bench.client import BenchError, EndpointUnreachable
+from kvshare.router.local import free_port
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 10.0
@@ -169,7 +170,11 @@ class LocalDeployment:
         deadline = time.monotonic() + timeout_s
         try:
             with PoolClient.connect(self.pool_socket, map_arena=False) as client:
-                while client.stats().pages_reserved and time.monotonic() < deadline:
+                while client.stats().pages_reserved:
+                    if time.monotonic() > deadline:
+                        log.warning("stores still uncommitted after %g s; the next request may find part of them",
+                                    timeout_s)
+                        return
                     time.sleep(0.02)
         except (PoolError, OSError) as error:  # a pool that is gone has nothing left to commit; replicas recompute
             log.warning("could not wait for the pool's stores (%s); going on", error)
@@ -191,7 +196,7 @@ class LocalDeployment:
     def _ensure_router(self, policy: str) -> None:
         if self.router is None or not self.router.alive():
             port = free_port()
-            argv = _kvshare("route", "--host", "127.0.0.1", "--port", str(port), "--policy", policy)
+            argv = kvshare_argv("route", "--host", "127.0.0.1", "--port", str(port), "--policy", policy)
             for url in self.endpoints.replicas:
                 argv += ["--replica", url]
             self.router = ManagedProcess("router", argv, self.config.log_dir / f"router-{self.arm}.log")
@@ -203,17 +208,14 @@ class LocalDeployment:
         self._policy = policy
 
     def _start_pool(self) -> None:
-        argv = _kvshare("pool", "serve", "--size", self.config.pool_size, "--socket", self.pool_socket,
+        argv = kvshare_argv("pool", "serve", "--size", self.config.pool_size, "--socket", self.pool_socket,
                         "--arena", str(self.pool_arena))
         self.pool = ManagedProcess("pool", argv, self.config.log_dir / "pool.log")
-        deadline = time.monotonic() + self.config.ready_timeout_s
-        while not socket_accepts(self.pool_socket):
-            _check_starting(self.pool, deadline, f"pool socket {self.pool_socket}")
-            time.sleep(0.1)
+        wait_socket_ready(self.pool_socket, self.pool, self.config.ready_timeout_s)
 
     def _spawn_replica(self, name: str, arm: str, index: int) -> tuple[ManagedProcess, str]:
         c, port = self.config, free_port()
-        argv = _kvshare(
+        argv = kvshare_argv(
             "serve", "--model", str(c.model_dir), "--host", "127.0.0.1", "--port", str(port), "--device", c.device,
             "--threads", str(c.threads), "--chunk-tokens", str(c.chunk_tokens),
             "--pool", self.pool_socket if arm == "ON" else "none",
@@ -258,6 +260,14 @@ def wait_http_ready(url: str, process: ManagedProcess, timeout_s: float) -> None
         time.sleep(0.2)
 
 
+def wait_socket_ready(path: str, process: ManagedProcess, timeout_s: float) -> None:
+    """Poll until the server accepts on the Unix socket at `path`; fail early, with the log's tail, when it dies."""
+    deadline = time.monotonic() + timeout_s
+    while not _socket_accepts(path):
+        _check_starting(process, deadline, f"socket {path}")
+        time.sleep(0.05)
+
+
 def _check_starting(process: ManagedProcess, deadline: float, what: str) -> None:
     if not process.alive():
         raise BenchError(f"{process.name} exited with code {process.popen.returncode} before {what} was ready; "
@@ -266,7 +276,7 @@ def _check_starting(process: ManagedProcess, deadline: float, what: str) -> None
         raise BenchError(f"{process.name} did not get ready ({what}) in time; see {process.log_path}")
 
 
-def socket_accepts(path: str) -> bool:
+def _socket_accepts(path: str) -> bool:
     """True once a server accepts connections on the Unix socket at `path`."""
     if not os.path.exists(path):
         return False
@@ -278,13 +288,7 @@ def socket_accepts(path: str) -> bool:
             return False
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _kvshare(*args: str) -> list[str]:
+def kvshare_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvshare.cli", *args]
 
 

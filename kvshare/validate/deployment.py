@@ -10,13 +10,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvshare.bench.deploy import ManagedProcess, free_port, socket_accepts, wait_http_ready
+from kvshare.bench.deploy import ManagedProcess, free_port, kvshare_argv, wait_http_ready, wait_socket_ready
 
 READY_TIMEOUT_S = 180.0
 
@@ -32,20 +30,19 @@ class DeployConfig:
     threads: int = 1
 
 
-def kvshare_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvshare.cli", *args]
-
-
 class SoakDeployment:
     def __init__(self, config: DeployConfig) -> None:
         self.config = config
         self._tmp = tempfile.TemporaryDirectory(prefix="kvshare-soak-")
         self.pool_socket = str(Path(self._tmp.name) / "pool.sock")
         self.pool: ManagedProcess | None = None
-        self.pool_lives = 0
         self._arenas: list[Path] = []
         self.ports = {name: free_port() for name in ("a", "b", "ref", "router")}
         self.processes: dict[str, ManagedProcess] = {}
+
+    @property
+    def pool_lives(self) -> int:
+        return len(self._arenas)
 
     def url(self, name: str) -> str:
         return f"http://127.0.0.1:{self.ports[name]}"
@@ -64,19 +61,14 @@ class SoakDeployment:
 
     def start_pool(self) -> None:
         """A new pool life on the same socket, with a fresh arena file (a killed pool leaves its old one behind)."""
-        self.pool_lives += 1
-        arena = Path("/dev/shm") / f"{Path(self._tmp.name).name}-{self.pool_lives}.arena"
+        arena = Path("/dev/shm") / f"{Path(self._tmp.name).name}-{self.pool_lives + 1}.arena"
         self._arenas.append(arena)
         c = self.config
         argv = kvshare_argv("pool", "serve", "--size", c.pool_size, "--page-size", c.page_size, "--socket",
                             self.pool_socket, "--arena", str(arena), "--lease-timeout", str(c.lease_timeout_s),
                             "--check-integrity")
         self.pool = ManagedProcess("pool", argv, c.log_dir / f"pool-{self.pool_lives}.log")
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not socket_accepts(self.pool_socket):
-            if not self.pool.alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"pool did not start; its log ends with:\n{self.pool.log_tail()}")
-            time.sleep(0.05)
+        wait_socket_ready(self.pool_socket, self.pool, READY_TIMEOUT_S)
 
     def start_replica(self, name: str) -> None:
         c = self.config

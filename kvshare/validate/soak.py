@@ -18,7 +18,7 @@ import httpx
 import msgspec
 
 from kvshare.validate.deployment import DeployConfig, SoakDeployment
-from kvshare.validate.faults import Fault, Injector
+from kvshare.validate.faults import KINDS, Fault, Injector
 from kvshare.validate.workload import Outcome, Prompts, Reference, send, shared_prefixes
 
 MAX_REPORTED = 10
@@ -101,14 +101,14 @@ def _soak(config: SoakConfig, d: SoakDeployment, model_dir: Path) -> SoakResult:
     from kvshare.engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(model_dir)
-    tally, stop = _Tally(), threading.Event()
+    tally, crashed = _Tally(), []
     injector = Injector(d, config.fault_period_s)
     shared = shared_prefixes(config.seed)
     deadline = time.monotonic() + config.minutes * 60
     with httpx.Client(timeout=httpx.Timeout(120.0, connect=5.0), trust_env=False) as http:
         reference = Reference(d.url("ref"), http)
         workers = [threading.Thread(target=_work, args=(Prompts(config.seed * 1000 + i, shared, tokenizer.encode),
-                                                        d.url("router"), http, reference, tally, stop, deadline))
+                                                        d.url("router"), http, reference, tally, crashed, deadline))
                    for i in range(config.workers)]
         injector.start()
         for w in workers:
@@ -116,20 +116,25 @@ def _soak(config: SoakConfig, d: SoakDeployment, model_dir: Path) -> SoakResult:
         for w in workers:
             w.join()
         injector.join()
+    if crashed:  # e.g. the reference replica failed: the answers were not all checked, so the soak cannot pass
+        raise RuntimeError(f"{len(crashed)} soak worker(s) stopped early; the first: {crashed[0]!r}") from crashed[0]
     quiet = config.lease_timeout_s + 3.0  # past the lease timeout: anything still leased then has leaked
     time.sleep(quiet)
     return _result(config, tally, injector, d)
 
 
 def _work(prompts: Prompts, base: str, http: httpx.Client, reference: Reference, tally: _Tally,
-          stop: threading.Event, deadline: float) -> None:
+          crashed: list[BaseException], deadline: float) -> None:
     answer = ""
-    while time.monotonic() < deadline and not stop.is_set():
-        request = prompts.next(answer)
-        outcome = send(http, base, request)
-        want = reference.answer(request) if outcome.ok else None
-        tally.add(outcome, want)
-        answer = outcome.text if outcome.ok else ""
+    try:
+        while time.monotonic() < deadline:
+            request = prompts.next(answer)
+            outcome = send(http, base, request)
+            want = reference.answer(request) if outcome.ok else None
+            tally.add(outcome, want)
+            answer = outcome.text if outcome.ok else ""
+    except Exception as error:  # noqa: BLE001 - handed to the main thread, which fails the soak
+        crashed.append(error)
 
 
 def _result(config: SoakConfig, tally: _Tally, injector: Injector, d: SoakDeployment) -> SoakResult:
@@ -144,8 +149,7 @@ def _result(config: SoakConfig, tally: _Tally, injector: Injector, d: SoakDeploy
     in_kill = [any(o.started <= f.ended and o.ended >= f.started for f in kills) for o in failed]
     lost = [o for o, k in zip(failed, in_kill) if k]
     errors = [o for o, k in zip(failed, in_kill) if not k]
-    counts = {kind: sum(f.kind == kind for f in injector.faults) for kind in ("pool_restart", "replica_kill",
-                                                                             "fill_arena", "stall_client")}
+    counts = {kind: sum(f.kind == kind for f in injector.faults) for kind in KINDS}
     return SoakResult(
         minutes=config.minutes, requests_sent=len(tally.outcomes), requests_served=len(served),
         streamed_served=sum(o.request.stream for o in served), pool_hit_tokens=sum(o.pool_hit_tokens for o in served),

@@ -22,6 +22,12 @@ def test_settle_waits_for_the_commit_of_an_open_reservation(tmp_path):
             reservation = client.reserve(NS, new_chunks(keys, tokens, PAGE))
             for ref, chunk in zip(reservation.chunks, data):
                 client.write(ref, chunk)
+            deployment.arm = "OFF"
+            off = threading.Thread(target=deployment.settle, kwargs=dict(timeout_s=30))
+            off.start()
+            off.join(10)
+            assert not off.is_alive()  # the OFF arm's replicas use no pool: nothing to wait for, open reservation or not
+            deployment.arm = "ON"
             settled = threading.Event()
             waiter = threading.Thread(target=lambda: (deployment.settle(timeout_s=30), settled.set()))
             waiter.start()
@@ -31,8 +37,5 @@ def test_settle_waits_for_the_commit_of_an_open_reservation(tmp_path):
             waiter.join(10)
             assert settled.is_set()
             assert len(client.lookup(NS, keys, tokens).chunks) == 2
-        deployment.arm = "OFF"
-        deployment.settle(timeout_s=0)  # no pool in the OFF arm: returns at once
-    deployment.arm = "ON"
     deployment.settle(timeout_s=5)  # the pool is gone: nothing left to commit, and the benchmark goes on
     deployment._tmp.cleanup()

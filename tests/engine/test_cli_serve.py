@@ -1,18 +1,12 @@
 """`kvshare serve` as a real process on the tiny model: it answers completions and chat, and stops cleanly."""
 
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvshare.router.local import free_port
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import queue
-import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -18,6 +17,7 @@ import uvicorn
 from kvshare.engine.api import ConnectorStats, GenerationRequest, TokenEvent, Usage
 from kvshare.engine.detokenize import IncrementalText
 from kvshare.engine.server import create_app
+from kvshare.router.local import free_port
 
 EOS = 256
 FAIL = ord("!")  # a prompt starting with "!" makes the engine report an error
@@ -95,12 +95,6 @@ class EchoEngine:
                 return callback(TokenEvent(rid, token, True, "stop", usage(n + 1)))
             last = n + 1 == sampling.max_tokens
             callback(TokenEvent(rid, token, last, "length" if last else None, usage(n + 1) if last else None))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,14 +14,9 @@ import pytest
 
 from kvshare.engine.testing import make_tiny_model
 from kvshare.engine.tokenizer import Tokenizer
+from kvshare.router.local import free_port
 
 MAX_MODEL_LEN = 256
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,8 +19,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvshare.bench.server_metrics import external_hits
 from kvshare.pool.client import PoolClient
 from kvshare.pool.testing import start_pool
+from kvshare.router.local import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -55,12 +56,6 @@ def kv_transfer_config(pool: str) -> str:
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"pool": pool, "chunk_tokens": CHUNK},
     })
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Replica:
@@ -100,10 +95,10 @@ class Replica:
         assert reply.status_code == 200, f"{self.name}: {reply.status_code} {reply.text[:500]}\n{self.log_tail()}"
         return reply.json()["choices"][0]["token_ids"]
 
-    def metric(self, name: str) -> float:
-        """A counter from /metrics, summed over its label sets (0 if absent)."""
-        lines = httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
+    def external_hits(self) -> float:
+        """vLLM's KV-connector prefix-cache hits so far, read as the harness reads them (0 before they appear)."""
+        with httpx.Client(trust_env=False) as http:
+            return external_hits(http, self.url) or 0.0
 
     def log_tail(self, lines: int = 40) -> str:
         return "".join(self.log_path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
@@ -167,7 +162,7 @@ def random_tokens(rng: random.Random, n: int) -> list[int]:
 def test_long_prompt_moves_between_replicas(deployment):
     prompt = random_tokens(random.Random(1), LONG_PROMPT)
     chunks = (LONG_PROMPT - 1) // CHUNK  # every full chunk of the prompt, stored whole across both prefill steps
-    hits_before = deployment.b.metric("vllm:external_prefix_cache_hits_total")
+    hits_before = deployment.b.external_hits()
 
     from_a = deployment.a.complete(prompt)
     deployment.wait_chunks(chunks)
@@ -176,13 +171,13 @@ def test_long_prompt_moves_between_replicas(deployment):
 
     assert from_b == from_a == deployment.reference.complete(prompt)
     assert deployment.pool_stats().hit_tokens - pool_hits_before == chunks * CHUNK
-    assert deployment.b.metric("vllm:external_prefix_cache_hits_total") - hits_before == chunks * CHUNK
+    assert deployment.b.external_hits() - hits_before == chunks * CHUNK
     assert deployment.pool_stats().read_leases == 0  # the scheduler ended the lease once B's worker loaded
 
 
 def test_six_turn_session_alternating_replicas(deployment):
     rng = random.Random(7)
-    external_before = sum(r.metric("vllm:external_prefix_cache_hits_total") for r in (deployment.a, deployment.b))
+    external_before = sum(r.external_hits() for r in (deployment.a, deployment.b))
     conversation: list[int] = []
     chunks_before = deployment.pool_stats().chunks
     for turn in range(6):
@@ -192,7 +187,7 @@ def test_six_turn_session_alternating_replicas(deployment):
         assert answer == deployment.reference.complete(conversation, max_tokens=40), f"turn {turn} on {replica.name}"
         conversation += answer
         deployment.wait_chunks(chunks_before + (len(conversation) - 1) // CHUNK)  # the last token has no KV yet
-    external = sum(r.metric("vllm:external_prefix_cache_hits_total") for r in (deployment.a, deployment.b))
+    external = sum(r.external_hits() for r in (deployment.a, deployment.b))
     # Every turn after the first finds the previous turn's chunks (prompt and answer) stored by the other replica.
     assert external - external_before >= 5 * CHUNK
 

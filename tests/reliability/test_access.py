@@ -15,16 +15,12 @@ import psutil
 import pytest
 
 from kvshare.pool import protocol as p
-from kvshare.pool.client import PoolClient
+from kvshare.pool.client import PoolClient, checksum
 from kvshare.pool.testing import start_pool
+from kvshare.router.local import free_port
+from tests.pool.conftest import new_chunks, prompt, random_bytes
 
 PAGE = 64 << 10
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def arena_of(address: str) -> str:
@@ -83,10 +79,16 @@ def test_tcp_client_that_fails_authentication_gets_nothing(tmp_path, first):
     port = free_port()
     with start_pool("1MiB", page_size=PAGE, tcp=f"127.0.0.1:{port}", token_file=token_file) as (address, _):
         with PoolClient.connect(address) as local:  # a Unix-socket client stores a chunk the intruder must not see
-            local.hello(b"n" * 16)
+            ns = b"n" * 16
+            local.hello(ns)
+            keys, tokens = prompt(1, ns=ns)
+            reservation = local.reserve(ns, new_chunks(keys, tokens, PAGE, first_parent=ns))
+            local.write(reservation.chunks[0], random_bytes(PAGE, seed=1))
+            local.commit(reservation.lease, [checksum(random_bytes(PAGE, seed=1))])
         with socket.create_connection(("127.0.0.1", port), timeout=10) as intruder:
             reply = exchange(intruder, first)
             assert isinstance(reply, p.Error) and reply.code == p.ErrorCode.AUTH  # no arena path, no stats
             assert intruder.recv(1) == b""  # and the connection is closed: nothing more can be asked
         with PoolClient.connect(f"tcp://127.0.0.1:{port}", token="s3cret", map_arena=False) as client:
-            assert client.health(deep=True) and client.stats().namespaces == 1  # the intruder changed nothing
+            stats = client.stats()
+            assert client.health(deep=True) and stats.namespaces == 1 and stats.chunks == 1  # the intruder changed nothing

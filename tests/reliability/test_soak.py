@@ -19,8 +19,6 @@ def test_two_minute_soak_under_faults(tmp_path):
     assert result.leased_pages_by_client == {}
     assert result.integrity_ok
     assert all(result.faults[kind] >= 1 for kind in ("pool_restart", "replica_kill", "fill_arena", "stall_client"))
-    # At least the injector's own stream per replica kill is lost; nothing else may be (checked above).
-    assert result.requests_lost >= result.faults["replica_kill"]
     assert result.requests_served > 100 and result.streamed_served > 0
     assert result.pool_hit_tokens > 0  # the pool served hits: the check compared cached answers, not only misses
     assert result.passed
