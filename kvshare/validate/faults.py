@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -21,6 +22,7 @@ import xxhash
 
 from kvshare.validate.deployment import SoakDeployment
 
+STALLER_REPORT_TIMEOUT_S = 30.0
 KINDS = ("pool_restart", "replica_kill", "fill_arena", "stall_client")
 STALL_NAMESPACE = xxhash.xxh3_128_digest(b"kvshare/soak-staller")
 FILL_NAMESPACE = xxhash.xxh3_128_digest(b"kvshare/soak-filler")
@@ -123,7 +125,9 @@ class Injector:
         staller = subprocess.Popen([sys.executable, "-m", "kvshare.validate.faults", "stall", self.d.pool_socket],
                                    stdout=subprocess.PIPE, text=True)
         try:
-            report = json.loads(staller.stdout.readline() or "{}")
+            # Bounded: a staller stuck before it reports is killed below like one that reported.
+            ready, _, _ = select.select([staller.stdout], [], [], STALLER_REPORT_TIMEOUT_S)
+            report = json.loads(staller.stdout.readline() or "{}") if ready else {}
             time.sleep(self.d.config.lease_timeout_s + 1.0)
         finally:
             staller.kill()
