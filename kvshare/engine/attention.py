@@ -47,30 +47,38 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.T
     """Causal attention of queries at positions [start, start + T) over K/V [0, start + T) read from the cache.
 
     q: (T, num_heads, D), roped; overwritten in place with the attention output, one KV-head group at a time, so the
-    only full-sequence buffer is q itself. With no cached context the mask is the plain causal one and each KV head
-    is expanded to its query heads (the layout cuDNN takes on H200). With context (a pool or prefix-cache hit, a
-    decode step) the mask is aligned to the lower right - query i sees keys [0, start + i] - and K/V go in
-    unexpanded with `enable_gqa`: the few queries of a tail read each cached KV head once, instead of writing and
-    reading it once per query head (5x the bytes for a 40/8-head model, most of a 256k tail's time).
+    only full-sequence buffer is q itself. Two forms, chosen by which is cheaper on an H200:
+    - square (the tail is at least as long as the cached context: no context, or a short prefix-cache hit before a
+      long prompt): q is preceded by `start` zero rows whose outputs are dropped, so queries and keys both span
+      [0, start + T) and the mask is the plain causal one, with each KV head expanded to its query heads - the form
+      cuDNN takes (~560 TFLOP/s at 128k). Query start + i then sees keys [0, start + i], as it must.
+    - lower right (a pool hit's short tail, a decode step): query i sees keys [0, start + i] through a lower-right
+      causal mask, K/V unexpanded with `enable_gqa`: the few queries of a tail read each cached KV head once, instead
+      of once per query head (5x the bytes for a 40/8-head model). That mask goes to flash attention (~330 TFLOP/s),
+      which cost a 131k-token prompt after a 16-token prefix-cache hit 13 s more than the same prompt without it
+      (two-GPU sessions, docs/results/h200x2); the square form's `start` extra rows cost less than that whenever
+      start <= T.
     """
     t, num_heads, d = q.shape
     total = start + t
     num_kv_heads = cache.shape[3]
     per_kv = num_heads // num_kv_heads
-    gqa = start > 0
-    kv_bytes = 2 * total * d * q.element_size() * (1 if gqa else per_kv)  # K+V temporaries of one KV head
+    square = start <= t
+    kv_bytes = 2 * total * d * q.element_size() * (per_kv if square else 1)  # K+V temporaries of one KV head
     group = max(1, min(num_kv_heads, GROUP_KV_BUDGET // max(1, kv_bytes)))
-    mask = None if start == 0 else causal_lower_right(t, total)
+    mask = None if square else causal_lower_right(t, total)
     for g0 in range(0, num_kv_heads, group):
         g1 = min(num_kv_heads, g0 + group)
         k, v = gather_kv(cache, block_table, total, slice(g0, g1))
         qg = q[:, g0 * per_kv : g1 * per_kv].transpose(0, 1)[None]  # (1, hq, T, D)
-        if gqa:
+        if square:
+            if start:  # rows for the cached positions: their outputs are dropped below
+                qg = torch.cat([qg.new_zeros(*qg.shape[:2], start, d), qg], dim=2)
+            out = F.scaled_dot_product_attention(qg, _expand(k, per_kv), _expand(v, per_kv), is_causal=True,
+                                                 scale=scale)[:, :, start:]
+        else:
             out = F.scaled_dot_product_attention(qg, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
                                                  scale=scale, enable_gqa=True)
-        else:
-            out = F.scaled_dot_product_attention(qg, _expand(k, per_kv), _expand(v, per_kv), is_causal=True,
-                                                 scale=scale)
         q[:, g0 * per_kv : g1 * per_kv] = out[0].transpose(0, 1)
 
 

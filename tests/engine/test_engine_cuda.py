@@ -1,5 +1,6 @@
 """The engine's model on CUDA (skipped without a GPU): fp32 CUDA == fp32 CPU, and bf16 chunked prefill over a cached
-prefix (lower-right mask) stays close to the whole-prompt prefill (is_causal)."""
+prefix stays close to the whole-prompt prefill (is_causal), both for a short tail after a long prefix (lower-right
+mask) and for a long tail after a short prefix (the square form: zero rows before the tail)."""
 
 import pytest
 import torch
@@ -31,8 +32,10 @@ def test_cuda_matches_cpu_and_cached_prefix(tiny_model):
     bf16 = load_model(tiny_model, "auto", "cuda", torch.bfloat16)
     whole = last_logits(bf16, tokens, "cuda", torch.bfloat16)
     split = last_logits(bf16, tokens, "cuda", torch.bfloat16, split=512)
+    long_tail = last_logits(bf16, tokens, "cuda", torch.bfloat16, split=48)
     print(f"bf16 whole vs split max |diff| {float((whole - split).abs().max()):.4f}; "
           f"bf16 vs fp32 {float((whole.cpu() - cpu).abs().max()):.4f}; "
           f"top-1 agree {int(whole.argmax()) == int(split.argmax()) == int(cpu.argmax())}")
     torch.testing.assert_close(split, whole, atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(long_tail, whole, atol=5e-2, rtol=5e-2)
     torch.testing.assert_close(whole.cpu(), cpu, atol=5e-2, rtol=5e-2)
