@@ -148,6 +148,7 @@ class ConnectorCore:
         # (pool instance, transfer over its arena), replaced as one tuple on each new connection so that readers on
         # other threads never pair one pool life's page numbers with another life's arena.
         self._attached: tuple[str, object | None] = ("", None)
+        self._lease_limit = 0  # pages one connection may hold under leases (the pool's STATS; 0: none)
         self._link = _PoolLink(config, self.stats, self._on_connect)
         self._committer = _Committer(self)
 
@@ -199,6 +200,7 @@ class ConnectorCore:
     def _on_connect(self, client) -> None:
         # Called under the link's lock for each new connection: the arena (and so every page view) is new.
         # A hit from an earlier pool life is never loaded (see _instance_of; the checksum would catch it too).
+        self._lease_limit = client.stats().max_leased_pages_per_client
         transfer = None
         if self._kv_caches is not None:
             from kvshare.transfer import make_transfer
@@ -283,8 +285,9 @@ class ConnectorCore:
         def reserve(client):
             # The chunk's extent depends on the arena's page size: units never straddle pages (KVLayout.chunk_nbytes).
             nbytes = self._layout.chunk_nbytes(self.chunk_tokens, client.page_size)
-            new = [NewChunk(key=keys[i], parent=parents[i], tokens=tokens[i], nbytes=nbytes) for i in range(first, len(keys))]
-            return client.reserve(namespace.key, new), _instance_of(client)
+            end = self._within_lease_limit(first, len(keys), -(-nbytes // client.page_size))
+            new = [NewChunk(key=keys[i], parent=parents[i], tokens=tokens[i], nbytes=nbytes) for i in range(first, end)]
+            return (client.reserve(namespace.key, new), _instance_of(client)) if new else None
 
         started = time.perf_counter()
         found = self._link.call("reserve", reserve, namespace)
@@ -312,6 +315,24 @@ class ConnectorCore:
         # COMMIT only after the copies finished (I2): the committer thread waits on the handle, then hashes and commits.
         self._committer.submit(reservation.lease, refs, handle, transfer, started)
         return StoreHandle(is_done=handle.done, block_ids=tuple(b for job in jobs for b in job.block_ids))
+
+    def _within_lease_limit(self, first: int, end: int, pages_per_chunk: int) -> int:
+        """Where a store of chunks [first, end) must stop for one RESERVE to fit the pool's per-client lease limit.
+
+        RESERVE is all or nothing, so a prompt whose KV exceeds the limit (a 256k prompt is 64 GiB; the default
+        limit is half the arena) would otherwise store nothing at all. Its first chunks are the ones every later
+        request shares, and a reader's LOOKUP is shortened to the same limit, so the stored prefix is all that one
+        connection could load back anyway.
+        """
+        fits = self._lease_limit // pages_per_chunk if self._lease_limit else end - first
+        if end - first <= fits:
+            return end
+        self.stats.store_limited_chunks += end - first - fits
+        log.warning(
+            "pool lease limit: storing %d of this prompt's %d new chunks (%d pages each, limit %d pages per client); "
+            "raise the pool's --max-leased-pages-per-client or its --size to store prompts this long whole",
+            fits, end - first, pages_per_chunk, self._lease_limit)
+        return first + fits
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until every store submitted so far is committed (tests, shutdown)."""

@@ -122,4 +122,5 @@ class ConnectorStats:
     store_bytes: int = 0
     store_seconds: float = 0.0
     store_skipped_chunks: int = 0  # already in the pool
+    store_limited_chunks: int = 0  # beyond what the pool's per-client lease limit lets one RESERVE hold
     errors: int = 0  # pool errors of any kind, each turned into a miss

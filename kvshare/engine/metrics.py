@@ -31,6 +31,7 @@ CONNECTOR_STAT_HELP = {
     "store_bytes": "KV bytes stored into the pool",
     "store_seconds": "seconds spent storing KV into the pool",
     "store_skipped_chunks": "chunks not stored because the pool already held them",
+    "store_limited_chunks": "chunks not stored because one prompt's KV exceeds the pool's per-client lease limit",
     "errors": "pool errors of any kind, each turned into a cache miss",
 }
 

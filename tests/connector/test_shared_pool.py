@@ -15,6 +15,7 @@ from kvshare.engine.config import EngineConfig
 from kvshare.engine.engine import Engine, generate
 from kvshare.engine.testing import make_tiny_model
 from kvshare.pool.testing import start_pool
+from kvshare.transfer import KVLayout
 
 CHUNK = 32
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -68,6 +69,25 @@ def test_cross_replica_hits_give_the_cache_off_tokens(engines):
             assert usage_b.pool_hit_tokens == (length - 1) // CHUNK * CHUNK
             assert tokens_a == reference and tokens_b == reference  # fp32 on CPU: exact (I6)
         assert connector_b.stats.loads == 3 and connector_b.stats.load_failures == 0
+
+
+def test_a_prompt_over_the_lease_limit_stores_the_chunks_that_fit(engines):
+    """RESERVE is all or nothing: a prompt whose KV exceeds the pool's per-client lease limit must still store its
+    first chunks (what a reader's shortened LOOKUP can load), not nothing."""
+    off, a, b = engines
+    pages_per_chunk = -(-KVLayout.from_tensors(a.kv_caches, kind="packed_kv", block_size=a.block_size)
+                        .chunk_nbytes(CHUNK, 64 * 1024) // (64 * 1024))
+    prompt = prompt_of(4 * CHUNK + 1, seed=5)  # four full chunks
+    with start_pool("64MiB", page_size="64KiB", max_leased_pages_per_client=2 * pages_per_chunk) as (address, _):
+        connector_a = attach(a, address)
+        attach(b, address)
+        reference, _ = run(off, prompt)
+        tokens_a, _ = run(a, prompt)
+        a.connector.core.flush()
+        tokens_b, usage_b = run(b, prompt)
+    assert connector_a.stats.store_limited_chunks == 2 and connector_a.stats.stores == 2
+    assert usage_b.pool_hit_tokens == 2 * CHUNK
+    assert tokens_a == reference and tokens_b == reference
 
 
 def test_next_turn_hits_chunks_stored_from_generated_tokens(engines):
