@@ -14,6 +14,11 @@ def register(cli) -> None:
     cross.add_argument("--per-block", type=int, default=4, help="measured requests per length in each block")
     cross.add_argument("--question-tokens", type=int, default=32, help="tokens of the question after the document")
     cross.add_argument("--max-tokens", type=int, default=8, help="answer tokens per request")
+    cross.add_argument("--blocks", default="OFF1,ON1,ON2,OFF2",
+                       help="blocks to run now, e.g. OFF1,ON1 in one sitting and ON2,OFF2 (same --seed) in the next")
+    cross.add_argument("--rows", type=Path, action="append", default=[], metavar="JSONL",
+                       help="requests.jsonl of an earlier run of the other blocks: copied into this run's rows and "
+                            "report (repeatable)")
     cross.add_argument("--skip-off-warm", action="store_true",
                        help="OFF blocks send nothing to replica A (without a pool it cannot help B); saves time on GPUs")
     cross.set_defaults(run=_cross_replica)
@@ -72,9 +77,16 @@ def _cross_replica(args: argparse.Namespace) -> int:
     from kvshare.bench.cross_replica import CrossReplicaConfig
     from kvshare.bench.workload import parse_lengths
 
-    return _run_plan(args, "cross-replica", lambda: dict(cross=CrossReplicaConfig(
-        lengths=tuple(parse_lengths(args.lengths)), per_block=args.per_block, question_tokens=args.question_tokens,
-        max_tokens=args.max_tokens, seed=args.seed, off_warm=not args.skip_off_warm)))
+    from kvshare.bench.runner import earlier_rows
+
+    def parts():
+        cross = CrossReplicaConfig(
+            lengths=tuple(parse_lengths(args.lengths)), per_block=args.per_block, question_tokens=args.question_tokens,
+            max_tokens=args.max_tokens, seed=args.seed, off_warm=not args.skip_off_warm,
+            blocks=tuple(b.strip() for b in args.blocks.split(",") if b.strip()))
+        return dict(cross=cross, earlier_rows=earlier_rows(args.rows, cross))
+
+    return _run_plan(args, "cross-replica", parts)
 
 
 def _sessions(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ from kvshare.bench.client import BenchError
 from kvshare.bench.cross_replica import CrossReplicaConfig
 from kvshare.bench.deploy import Deployment, EndpointDeployment, Endpoints, LocalConfig, LocalDeployment, \
     sigterm_as_interrupt
-from kvshare.bench.rows import RequestRow, RowWriter
+from kvshare.bench.rows import RequestRow, RowWriter, read_rows
 from kvshare.bench.sessions import SessionsConfig
 from kvshare.bench.workload import Codec
 
@@ -32,6 +32,7 @@ class Plan:
     out_dir: Path
     cross: CrossReplicaConfig | None = None
     sessions: SessionsConfig | None = None
+    earlier_rows: tuple[RequestRow, ...] = ()  # measured by an earlier run of other blocks; reported with this run's
 
     @property
     def total_requests(self) -> int:
@@ -57,6 +58,8 @@ def run_plan(plan: Plan, make_deployment: Callable[[], Deployment], codec: Codec
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would bury the progress bar
     started, error, description = time.time(), "", "(not started)"
     writer = RowWriter(plan.out_dir / "requests.jsonl")
+    for row in plan.earlier_rows:
+        writer.write(row)
     deployment = None
     try:
         with sigterm_as_interrupt(), _progress(plan.total_requests, quiet) as on_row:
@@ -134,6 +137,25 @@ def deployment_factory(args: argparse.Namespace, out_dir: Path) -> Callable[[], 
         raise BenchError("no deployment: pass --local MODEL_DIR, or both --off URLS and --on URLS")
     off, on = parse_endpoints(args.off), parse_endpoints(args.on)
     return lambda: EndpointDeployment(off, on)
+
+
+def earlier_rows(paths: list[Path], cross: CrossReplicaConfig) -> tuple[RequestRow, ...]:
+    """Rows of earlier runs to report with this one: they must be of other blocks and of this run's lengths (the
+    same --seed and --per-block give the same documents; that is the caller's promise)."""
+    rows = []
+    for path in paths:
+        try:
+            rows += read_rows(path)
+        except (OSError, ValueError) as error:
+            raise BenchError(f"cannot read rows from {path}: {error}") from error
+    again = sorted({r.block for r in rows if r.block in cross.blocks})
+    if again:
+        raise BenchError(f"--rows already hold block(s) {', '.join(again)}, which --blocks runs again: run only the "
+                         "other blocks")
+    foreign = sorted({r.length_label for r in rows if r.length_label and r.length_label not in dict(cross.lengths)})
+    if foreign:
+        raise BenchError(f"--rows hold lengths {', '.join(foreign)} that --lengths does not name")
+    return tuple(rows)
 
 
 def parse_endpoints(text: str) -> Endpoints:

@@ -82,3 +82,27 @@ def test_skip_off_warm_sends_replica_a_nothing_in_off_blocks(stubs, tiny_model, 
     rows = read_rows(out / "requests.jsonl")
     assert [r.block for r in rows if r.kind == "measured"] == ["OFF1", "ON1", "ON2", "OFF2"]
     assert [r.block for r in rows if r.kind == "warm"] == ["ON1", "ON2"]
+
+
+def test_a_design_split_over_two_runs_reports_all_four_blocks(stubs, tiny_model, tmp_path):
+    """OFF1,ON1 now and ON2,OFF2 later (a 255k design outlasts one GPU call): the second run's rows and report hold
+    every block; a block given twice, or an unknown one, is refused before anything is sent."""
+    urls = ",".join(stubs)
+    common = ("--off", urls, "--on", urls, "--tokenizer", str(tiny_model), "--lengths", "64", "--per-block", "1")
+    first, second = tmp_path / "first", tmp_path / "second"
+    result = _kvshare("bench", "cross-replica", *common, "--blocks", "OFF1,ON1", "--out", str(first))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [r.block for r in read_rows(first / "requests.jsonl") if r.kind == "measured"] == ["OFF1", "ON1"]
+    result = _kvshare("bench", "cross-replica", *common, "--blocks", "ON2,OFF2", "--rows",
+                      str(first / "requests.jsonl"), "--out", str(second))
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = read_rows(second / "requests.jsonl")
+    assert [r.block for r in rows if r.kind == "measured"] == ["OFF1", "ON1", "ON2", "OFF2"]
+    summary = json.loads((second / "summary.json").read_text())
+    assert summary["cross_replica"]["lengths"][0]["comparison"]["on"]["n"] == 2
+    assert "OFF2:ON2" in (second / "report.md").read_text()
+
+    for bad, message in ((("--blocks", "ON1", "--rows", str(first / "requests.jsonl")), "ON1"),
+                         (("--blocks", "ON3"), "unknown block")):
+        result = _kvshare("bench", "cross-replica", *common, *bad, "--out", str(tmp_path / "bad"))
+        assert result.returncode == 2 and message in result.stderr, result.stdout + result.stderr
