@@ -106,7 +106,7 @@ def _run_plan(args, name: str, parts) -> int:
     out = args.out or runner.default_out(name)
     try:
         plan = runner.Plan(title=f"kvshare bench {name}", out_dir=out, **parts())
-        factory = runner.deployment_factory(args, out)
+        factory = runner.deployment_factory(args, out, plan.longest_prompt)
         codec = runner.load_codec(args)
     except (BenchError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

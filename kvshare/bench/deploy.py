@@ -67,6 +67,30 @@ class LocalConfig:
     gpus: tuple[str, ...] = ()  # CUDA_VISIBLE_DEVICES of replica A and B (e.g. ("0", "1")); empty: inherit
     verify_checksums: bool = True  # False: replicas trust the pool's bytes (hashing 64 GiB costs seconds)
 
+    def check_pool_holds(self, tokens: int) -> None:
+        """Refuse, before anything starts, a plan whose longest prompt the local pool would share only in part: one
+        connection may lease at most half the arena (the pool's default limit), so A would store and B load only
+        the chunks under it, and the ON arm would recompute the rest. (A 255k run with a 72 GiB pool did that.)"""
+        from kvshare.engine.config import ModelConfig
+        from kvshare.pool.config import DEFAULT_PAGE_SIZE as PAGE
+        from kvshare.units import format_size, parse_size
+
+        try:
+            model = ModelConfig.from_dir(self.model_dir)
+        except (OSError, ValueError, KeyError):
+            return  # the replicas report a bad model folder themselves, with their own words
+        tokens = min(tokens, self.max_model_len or model.max_position)  # longer ones fail on their own, later
+        itemsize = 2 if self.device.startswith("cuda") else 4  # bfloat16 on CUDA, float32 on CPU (kvshare serve)
+        chunk_pages = -(-self.chunk_tokens * model.num_layers * 2 * model.num_kv_heads * model.head_dim * itemsize
+                        // PAGE)
+        needed = tokens // self.chunk_tokens * chunk_pages * PAGE
+        limit = parse_size(self.pool_size) // PAGE // 2 * PAGE
+        if needed > limit:
+            raise BenchError(
+                f"the longest prompt ({tokens} tokens) is {format_size(needed)} of KV in the pool, but with --pool-size "
+                f"{self.pool_size} one replica may lease at most {format_size(limit)} (half the arena): only part of "
+                f"it would be shared. Use --pool-size {-(-2 * needed // 2**30)}GiB or more")
+
 
 class EndpointDeployment:
     """Two endpoint sets the user runs; `activate` only switches between them (and sets the router's policy)."""

@@ -38,6 +38,14 @@ class Plan:
     def total_requests(self) -> int:
         return sum(part.total_requests for part in (self.cross, self.sessions) if part)
 
+    @property
+    def longest_prompt(self) -> int:
+        """Tokens of the longest prompt the plan sends (documents + question + answer; sessions' last turn)."""
+        c, s = self.cross, self.sessions
+        cross = max(n for _, n in c.lengths) + c.question_tokens + c.max_tokens if c else 0
+        sessions = max(n for _, n in s.contexts) + s.turns * (s.user_tokens + s.answer_tokens) if s else 0
+        return max(cross, sessions)
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -119,8 +127,9 @@ class _progress:
             self.bar.stop()
 
 
-def deployment_factory(args: argparse.Namespace, out_dir: Path) -> Callable[[], Deployment]:
-    """Validate the deployment flags now (clear errors before anything starts); build the deployment later."""
+def deployment_factory(args: argparse.Namespace, out_dir: Path, longest_prompt: int = 0) -> Callable[[], Deployment]:
+    """Validate the deployment flags now (clear errors before anything starts); build the deployment later.
+    With `longest_prompt`, a local pool too small to share a prompt that long whole is refused too."""
     if args.local and (args.off or args.on):
         raise BenchError("give either --local MODEL_DIR or --off/--on URLs, not both")
     if args.local:
@@ -132,6 +141,7 @@ def deployment_factory(args: argparse.Namespace, out_dir: Path) -> Callable[[], 
                              max_model_len=args.max_model_len,
                              gpus=tuple(g.strip() for g in args.gpus.split(",") if g.strip()),
                              load_format=args.load_format, verify_checksums=not args.no_verify_checksums)
+        config.check_pool_holds(longest_prompt)
         return lambda: LocalDeployment(config)
     if not (args.off and args.on):
         raise BenchError("no deployment: pass --local MODEL_DIR, or both --off URLS and --on URLS")

@@ -31,3 +31,11 @@ def test_bad_flags_are_refused_before_anything_starts(tiny_model, tmp_path):
     assert result.returncode == 2 and "make-model" in result.stderr
     result = _kvshare("bench", "cross-replica", "--off", "a,b", "--on", "c,d", "--tokenizer", str(tiny_model))
     assert result.returncode == 2 and "cannot read endpoints" in result.stderr
+    # A local pool whose per-client lease limit (half the arena) cannot hold the longest prompt's KV: ON would
+    # quietly recompute most of it, so the run is refused with the size that works.
+    result = _kvshare("bench", "cross-replica", "--local", str(tiny_model), "--lengths", "512", "--pool-size", "8MiB",
+                      "--chunk-tokens", "32", "--out", str(tmp_path / "y"))
+    assert result.returncode == 2 and "--pool-size" in result.stderr and "half the arena" in result.stderr, \
+        result.stderr
+    assert not (tmp_path / "y" / "logs").exists()  # nothing was started
+
