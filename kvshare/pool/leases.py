@@ -6,6 +6,7 @@ by its deadline passing, or by its connection closing (I8).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 READ, WRITE = "read", "write"
@@ -25,6 +26,7 @@ class LeaseTable:
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
         self._leases: dict[int, Lease] = {}
+        self._pages: dict[int, int] = {}  # client -> pages its leases pin (kept by new/pop: read on every LOOKUP)
         self._next_id = 1
 
     def __len__(self) -> int:
@@ -37,7 +39,13 @@ class LeaseTable:
         lease = Lease(self._next_id, kind, client, keys, now + self.timeout, pages)
         self._next_id += 1
         self._leases[lease.id] = lease
+        self._pages[client] = self._pages.get(client, 0) + pages
         return lease
+
+    def keep(self, lease: Lease) -> None:
+        """Take away the lease's deadline: it ends only by RELEASE or COMMIT. For the pool's internal leases whose
+        pages another thread is copying (an L2 write-behind's source, an L2 promotion's destination)."""
+        lease.deadline = math.inf
 
     def get(self, lease_id: int, client: int) -> Lease | None:
         """The lease, if it exists and belongs to `client` (a client cannot end another's lease)."""
@@ -45,7 +53,13 @@ class LeaseTable:
         return lease if lease is not None and lease.client == client else None
 
     def pop(self, lease_id: int) -> Lease:
-        return self._leases.pop(lease_id)
+        lease = self._leases.pop(lease_id)
+        left = self._pages[lease.client] - lease.pages
+        if left:
+            self._pages[lease.client] = left
+        else:
+            del self._pages[lease.client]
+        return lease
 
     def expired(self, now: float) -> list[Lease]:
         return [lease for lease in self._leases.values() if lease.deadline <= now]
@@ -55,13 +69,10 @@ class LeaseTable:
 
     def pages_of(self, client: int) -> int:
         """Pages the client's leases pin now (a chunk under two of its leases counts twice)."""
-        return sum(lease.pages for lease in self._leases.values() if lease.client == client)
+        return self._pages.get(client, 0)
 
     def pages_by_client(self) -> dict[int, int]:
-        out: dict[int, int] = {}
-        for lease in self._leases.values():
-            out[lease.client] = out.get(lease.client, 0) + lease.pages
-        return out
+        return {client: pages for client, pages in self._pages.items() if pages}
 
     def count(self, kind: str) -> int:
         return sum(1 for lease in self._leases.values() if lease.kind == kind)

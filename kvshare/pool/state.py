@@ -321,7 +321,9 @@ class PoolState:
         _require(not set(i.reserved) & set(i.committed), "a key is both reserved and committed")
         readers = Counter()
         writers: dict[bytes, int] = {}
+        by_client = Counter()
         for lease in self.leases:
+            by_client[lease.client] += lease.pages
             table = i.committed if lease.kind == READ else i.reserved
             pinned = sum(len(table[k].pages) for k in lease.keys if k in table)
             _require(lease.pages == pinned, f"lease {lease.id} counts {lease.pages} pages but pins {pinned}")
@@ -331,6 +333,8 @@ class PoolState:
                     readers[key] += 1
                 else:
                     writers[key] = lease.id
+        _require(self.leases.pages_by_client() == {c: n for c, n in by_client.items() if n},
+                 "the per-client leased-page counts disagree with the leases")
         for key, entry in i.committed.items():
             _require(entry.readers == readers[key], f"chunk {key.hex()[:8]} readers {entry.readers} != {readers[key]}")
         for key, entry in i.reserved.items():

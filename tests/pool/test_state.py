@@ -148,6 +148,34 @@ def test_leases_expire_and_end_with_their_client():  # I8
     assert state.stats().read_leases == state.stats().write_leases == 0
 
 
+def test_leased_pages_per_client_follow_every_way_a_lease_ends():
+    """The per-client count the lease limit reads (kept by the lease table, not recomputed) goes up with each read
+    and write lease and back to zero by RELEASE, COMMIT, expiry and disconnect."""
+    clock = Clock()
+    state = make(num_pages=16, lease_timeout=5.0, clock=clock)
+    keys, tokens = prompt(2)
+    store(state, keys, tokens, nbytes=2 * PAGE)  # 4 pages
+    leased = state.leases.pages_of
+    read = state.lookup(1, NS, keys, tokens)
+    write = state.reserve(1, NS, new_chunks(*prompt(1, seed=5), PAGE))
+    assert (leased(1), leased(2)) == (5, 0) and state.leases.pages_by_client() == {1: 5}
+    state.commit(1, write.lease, [7])
+    assert leased(1) == 4
+    state.release(1, read.lease)
+    assert leased(1) == 0 and state.leases.pages_by_client() == {}
+    state.lookup(2, NS, keys, tokens)
+    state.lookup(3, NS, keys, tokens)
+    clock.now = 5.0
+    state.expire()
+    assert leased(2) == leased(3) == 0
+    state.lookup(3, NS, keys, tokens)
+    state.reserve(3, NS, new_chunks(*prompt(1, seed=6), PAGE))
+    assert leased(3) == 5
+    state.drop_client(3)
+    assert leased(3) == 0 and state.leases.pages_by_client() == {}
+    state.check_integrity()
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["reserve", "commit", "abort", "lookup", "release", "expire", "clear"]),
                           st.integers(0, 30), st.integers(1, 5 * PAGE)), max_size=60))

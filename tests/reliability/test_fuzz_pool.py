@@ -10,9 +10,11 @@ import sys
 
 import pytest
 import xxhash
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, find, given, settings
+from hypothesis.errors import NoSuchExample
 from hypothesis import strategies as st
 
+from kvshare.pool.leases import WRITE
 from kvshare.pool.protocol import ErrorCode, NewChunk
 from kvshare.pool.state import PoolState, RequestError
 
@@ -31,13 +33,24 @@ new_chunk = st.builds(
     st.integers(0, 7), st.none() | keys, st.none() | keys, st.none() | st.binary(max_size=9),
     st.integers(-5, 5 * 4096) | st.integers(-(2**63), 2**63 - 1),
 )
-lease_ids = st.integers(0, 12) | st.integers(-(2**63), 2**64 - 1)
+# Well-formed chains, often: one malformed chunk refuses a whole RESERVE, so with malformed chunks alone almost no
+# RESERVE succeeded and no lease ever existed (test_the_fuzz_reaches_leases_and_committed_chunks guards this).
+valid_chain = st.builds(
+    lambda first, n, nbytes: [NewChunk(KEYS[i], KEYS[i - 1] if i else NAMESPACE, TOKENS[i], nbytes)
+                              for i in range(first, min(8, first + n))],
+    st.just(0) | st.integers(0, 7), st.integers(1, 4), st.integers(1, 3 * 4096))  # from chunk 0: LOOKUP can hit
+chunk_lists = valid_chain | st.lists(new_chunk, max_size=6)
+lease_ids = st.integers(1, 4) | st.integers(0, 12) | st.integers(-(2**63), 2**64 - 1)  # leases are numbered from 1
+checksum_lists = st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=4) | st.lists(st.integers(), max_size=7)
 clients = st.integers(1, 2)
+mostly_known = st.just(NAMESPACE) | namespaces
 ops = st.one_of(
     st.tuples(st.just("hello"), namespaces),
-    st.tuples(st.just("lookup"), clients, namespaces, st.integers(0, 8), st.booleans()),
-    st.tuples(st.just("reserve"), clients, namespaces, st.lists(new_chunk, max_size=6)),
-    st.tuples(st.just("commit"), clients, lease_ids, st.lists(st.integers(0, 2**64 - 1), max_size=7)),
+    st.tuples(st.just("lookup"), clients, mostly_known, st.integers(0, 8), st.booleans()),
+    st.tuples(st.just("reserve"), clients, mostly_known, chunk_lists),
+    st.tuples(st.just("commit"), clients, lease_ids, checksum_lists),
+    st.tuples(st.just("commit newest"), clients, st.integers(0, 2**64 - 1)),  # what a well-behaved writer sends
+    st.tuples(st.just("release newest"), clients),
     st.tuples(st.just("release"), clients, lease_ids),
     st.tuples(st.just("time"), st.floats(0, 20)),
     st.tuples(st.just("drop"), clients),
@@ -67,6 +80,13 @@ def apply(state: PoolState, clock: Clock, op: tuple) -> None:
             state.commit(client, lease, checksums)
         case ("release", client, lease):
             state.release(client, lease)
+        case ("commit newest", client, checksum):
+            writes = [lease for lease in state.leases if lease.client == client and lease.kind == WRITE]
+            if writes:
+                state.commit(client, writes[-1].id, [checksum] * len(writes[-1].keys))
+        case ("release newest", client):
+            if held := [lease for lease in state.leases if lease.client == client]:
+                state.release(client, held[-1].id)
         case ("time", dt):
             clock.now += dt
             state.expire()
@@ -76,6 +96,31 @@ def apply(state: PoolState, clock: Clock, op: tuple) -> None:
             state.allocator.add_prepared(max(upto, state.allocator.prepared))
         case ("clear",):
             state.clear()
+
+
+def reached(sequence: list) -> set[str]:
+    """What a sequence gets the pool to hold at some point: "write lease", "read lease", "committed chunk"."""
+    clock, seen = Clock(), set()
+    state = PoolState(12, 4096, prepared=6, lease_timeout=5.0, clock=clock)
+    state.hello(NAMESPACE, "fuzz")
+    for op in sequence:
+        try:
+            apply(state, clock, op)
+        except RequestError:
+            pass
+        seen |= {f"{lease.kind} lease" for lease in state.leases}
+        seen |= {"committed chunk"} if state.index.committed else set()
+    return seen
+
+
+def test_the_fuzz_reaches_leases_and_committed_chunks():
+    """The consistency fuzz below checks lease accounting only if its sequences create leases at all."""
+    for goal in ("write lease", "read lease", "committed chunk"):
+        try:
+            find(st.lists(ops, min_size=1, max_size=40), lambda sequence: goal in reached(sequence),
+                 settings=settings(max_examples=2000, database=None, suppress_health_check=list(HealthCheck)))
+        except NoSuchExample:
+            pytest.fail(f"2000 random sequences never made the pool hold a {goal}: the fuzz cannot check it")
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from concurrent.futures import Executor
 
 import numpy as np
@@ -94,7 +93,7 @@ class Promoter:
             return False
         if not reply.lease:
             return True
-        self.state.leases.get(reply.lease, self.client).deadline = math.inf  # see the module docstring
+        self.state.leases.keep(self.state.leases.get(reply.lease, self.client))  # see the module docstring
         chosen = [(ref, payload, h.checksum) for ref, (h, payload) in zip(reply.chunks, found) if ref is not None]
         committed = False
         try:

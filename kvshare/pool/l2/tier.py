@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -83,7 +82,7 @@ class L2Tier:
         entries = [self.state.index.committed[key] for key in keys]
         pages = sum(len(e.pages) for e in entries)
         lease = self.state.leases.new(READ, INTERNAL_CLIENT, keys, self.state.clock(), pages)
-        lease.deadline = math.inf
+        self.state.leases.keep(lease)
         for entry in entries:
             entry.readers += 1
         return lease.id
