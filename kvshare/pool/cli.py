@@ -89,13 +89,12 @@ def _serve(args: argparse.Namespace) -> int:
 def _stats(args: argparse.Namespace) -> int:
     import msgspec
 
-    from kvshare.pool.client import PoolClient, PoolError
+    from kvshare.pool.client import PoolError, read_stats
     from kvshare.pool.report import print_stats
 
     token = open(args.token_file).read().strip() if args.token_file else None
     try:
-        with PoolClient.connect(args.socket, token=token, map_arena=False) as client:
-            stats = client.stats()
+        stats = read_stats(args.socket, token=token)
     except PoolError as error:
         print(f"kvshare pool stats: {error}", file=sys.stderr)
         return 1

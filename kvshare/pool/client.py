@@ -213,6 +213,12 @@ class PoolClient:
         self.close()
 
 
+def read_stats(address: str, *, timeout: float = 5.0, token: str | None = None) -> PoolStats:
+    """One STATS over a short connection that does not map the arena (monitoring, tests, the harness)."""
+    with PoolClient.connect(address, timeout=timeout, token=token, map_arena=False) as client:
+        return client.stats()
+
+
 def _open_socket(address: str, timeout: float) -> socket.socket:
     if address.startswith("tcp://"):
         host, port = address[len("tcp://"):].rsplit(":", 1)

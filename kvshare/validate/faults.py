@@ -67,10 +67,9 @@ class Injector:
         self.d.kill_pool()
         time.sleep(1.0)  # replicas see the pool gone and serve without it meanwhile
         self.d.start_pool()
-        from kvshare.pool.client import PoolClient
+        from kvshare.pool.client import read_stats
 
-        with PoolClient.connect(self.d.pool_socket, map_arena=False) as client:
-            chunks = client.stats().chunks  # a restarted pool must start empty (replicas may already have stored)
+        chunks = read_stats(self.d.pool_socket).chunks  # a restarted pool must start empty (replicas may have stored)
         return "pool", f"life {self.d.pool_lives}, {chunks} chunks when first asked"
 
     def _replica_kill(self, n: int) -> tuple[str, str]:

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from kvshare.bench.server_metrics import external_hits
-from kvshare.pool.client import PoolClient
+from kvshare.pool.client import read_stats
 from kvshare.pool.testing import start_pool
 from kvshare.router.local import free_port
 
@@ -123,8 +123,7 @@ class Deployment:
         self.a, self.b, self.reference = a, b, c
 
     def pool_stats(self):
-        with PoolClient.connect(self.pool, map_arena=False) as client:
-            return client.stats()
+        return read_stats(self.pool)
 
     def wait_chunks(self, at_least: int, timeout: float = 30.0) -> None:
         """Stores commit in the background after the answer: wait until the pool holds them."""

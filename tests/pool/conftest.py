@@ -42,6 +42,16 @@ def client(shared_pool, ns):
         yield c
 
 
+class Clock:
+    """A settable clock for PoolState (lease deadlines) in tests."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def prompt(n_chunks: int, chunk_tokens: int = 16, seed: int = 0, ns: bytes = NS) -> tuple[list[bytes], list[bytes]]:
     """(keys, token bytes per chunk) of a deterministic prompt of n_chunks full chunks in namespace `ns`."""
     tokens = [(seed * 7919 + i * 31) % 50_000 for i in range(n_chunks * chunk_tokens)]

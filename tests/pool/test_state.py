@@ -8,17 +8,9 @@ from hypothesis import strategies as st
 
 from kvshare.pool.protocol import ErrorCode, NewChunk
 from kvshare.pool.state import PoolState, RequestError
-from tests.pool.conftest import NS, new_chunks, prompt
+from tests.pool.conftest import NS, Clock, new_chunks, prompt
 
 PAGE = 4096
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def make(num_pages: int = 16, **kw) -> PoolState:

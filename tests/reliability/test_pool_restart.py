@@ -6,17 +6,12 @@ import time
 
 import pytest
 
-from kvshare.pool.client import PoolClient
+from kvshare.pool.client import read_stats
 from kvshare.pool.testing import start_pool
 
 from .conftest import complete, kvshare_serve, pool_hits, prompt_ids, running
 
 pytestmark = pytest.mark.slow
-
-
-def pool_stats(address: str):
-    with PoolClient.connect(address, map_arena=False) as client:
-        return client.stats()
 
 
 def first_cross_replica_hit(a: str, b: str, seeds: range) -> int:
@@ -36,12 +31,12 @@ def test_restarted_pool_starts_empty_and_replicas_reconnect(tiny_model, tmp_path
         with running(kvshare_serve(tiny_model, address), kvshare_serve(tiny_model, address)) as (a, b):
             before = complete(a.url, prompt_ids(1))
             assert first_cross_replica_hit(a.url, b.url, range(2, 3)) == 2  # sharing works in the first life
-            assert pool_stats(address).chunks > 0
+            assert read_stats(address).chunks > 0
             process.kill()  # a crash: no cleanup runs
             process.wait()
             with start_pool("8MiB", page_size="64KiB", socket=socket_path) as (address, _):
-                restarted = pool_stats(address)
+                restarted = read_stats(address)
                 assert restarted.chunks == 0 and restarted.bytes_committed_total == 0  # nothing of its last life
                 assert complete(a.url, prompt_ids(1))["choices"] == before["choices"]
                 assert first_cross_replica_hit(a.url, b.url, range(10, 50)) >= 0, "replicas did not reconnect"
-                assert pool_stats(address).hit_tokens > 0
+                assert read_stats(address).hit_tokens > 0

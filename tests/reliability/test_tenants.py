@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvshare.pool.client import PoolClient
+from kvshare.pool.client import read_stats
 from kvshare.pool.testing import start_pool
 
 from .conftest import complete, kvshare_serve, local_hits, pool_hits, prompt_ids, running
@@ -20,19 +20,14 @@ def two_replicas(tiny_model):
             yield address, a.url, b.url
 
 
-def hit_tokens(address: str) -> int:
-    with PoolClient.connect(address, map_arena=False) as client:
-        return client.stats().hit_tokens
-
-
 def test_identical_prompts_of_two_tenants_never_share_pool_chunks(two_replicas):
     address, a, b = two_replicas
     ids = prompt_ids(100)
     first = complete(a, ids, salt="tenant-1")  # stored under tenant-1's namespace
-    before = hit_tokens(address)
+    before = read_stats(address).hit_tokens
     other = complete(b, ids, salt="tenant-2")  # B has never seen these tokens: only the pool could answer
     assert pool_hits(other) == 0 and local_hits(other) == 0
-    assert hit_tokens(address) == before  # not even a pool-side hit
+    assert read_stats(address).hit_tokens == before  # not even a pool-side hit
     assert other["choices"][0]["text"] == first["choices"][0]["text"]  # isolation changes no answer
     complete(b, prompt_ids(101))  # no salt is a namespace of its own too
     assert pool_hits(complete(a, prompt_ids(101), salt="tenant-1")) == 0
