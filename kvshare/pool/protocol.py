@@ -86,16 +86,6 @@ class Lookup(Request):
         if sum(self.token_lengths) != len(self.tokens) or min(self.token_lengths, default=0) < 0:
             raise ValueError(f"token_lengths add up to {sum(self.token_lengths)}, tokens has {len(self.tokens)} bytes")
 
-    def token_list(self) -> list[bytes]:
-        """Per-chunk token bytes; raises ValueError if the lengths do not add up. (Slices of bytes, not memoryviews:
-        the server compares them with stored bytes, and bytes == memoryview is ~15x slower than bytes == bytes.)"""
-        self.check_lengths()
-        blob, out, offset = bytes(self.tokens), [], 0
-        for n in self.token_lengths:
-            out.append(blob[offset : offset + n])
-            offset += n
-        return out
-
 
 class Reserve(Request):
     namespace: bytes

@@ -179,8 +179,8 @@ class PoolServer:
                     request.check_lengths()
                 except ValueError as error:
                     raise RequestError(p.ErrorCode.BAD_REQUEST, f"LOOKUP: {error}") from None
-                if self.l2 is not None:
-                    return self.l2.lookup(conn.id, namespace, keys, request.token_list())  # awaited by handle()
+                if self.l2 is not None:  # awaited by handle(); a copy of the tokens: the wait outlives the frame
+                    return self.l2.lookup(conn.id, namespace, keys, bytes(tokens), lengths)
                 return s.lookup_joined(conn.id, namespace, keys, tokens, lengths)
             case p.Reserve(namespace, chunks):
                 return s.reserve(conn.id, namespace, chunks)

@@ -25,9 +25,10 @@ class HeldL2:
     def __init__(self, state) -> None:
         self.state, self.release = state, asyncio.Event()
 
-    async def lookup(self, client: int, namespace: bytes, keys: list[bytes], tokens: list[bytes]) -> p.LookupReply:
+    async def lookup(self, client: int, namespace: bytes, keys: list[bytes], blob: bytes,
+                     lengths: list[int]) -> p.LookupReply:
         await self.release.wait()
-        return self.state.lookup(client, namespace, keys, tokens)
+        return self.state.lookup_joined(client, namespace, keys, blob, lengths)
 
     def fill(self, stats) -> None:  # STATS asks the tier for its counters
         pass

@@ -13,6 +13,7 @@ read_leases/write_leases while held.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 from collections import Counter
@@ -100,17 +101,24 @@ class L2Tier:
 
     # ---- lookup ------------------------------------------------------------------------------------------------
 
-    async def lookup(self, client: int, namespace: bytes, keys: list[bytes], tokens: list[bytes]) -> LookupReply:
-        """LOOKUP with promotion: if L1's prefix ends early, wait (bounded) for L2's next chunks to be promoted."""
-        n = self._l1_prefix(namespace, keys, tokens)
+    async def lookup(self, client: int, namespace: bytes, keys: list[bytes], blob: bytes,
+                     lengths: list[int]) -> LookupReply:
+        """LOOKUP with promotion: if L1's prefix ends early, wait (bounded) for L2's next chunks to be promoted.
+
+        `blob` holds every chunk's token bytes back to back (`lengths` each, checked by the caller): bytes of its
+        own, not a view of the receive buffer, since the answer is awaited and a promotion keeps slices of it in the
+        index. One copy per LOOKUP (it was three: per-chunk slices, a join for L1's check, a join in PoolState)."""
+        n = self._l1_prefix(namespace, keys, blob, lengths)
         if n is not None and n < len(keys) and self.store.breaker.may_try():
             pin = self._pin(keys[:n]) if n else 0  # keep the L1 prefix while promotion reserves (and may evict)
+            missing = list(itertools.accumulate(lengths, initial=0))[n:]  # byte offsets of chunks n.. and the end
+            tokens = [blob[a:b] for a, b in itertools.pairwise(missing)]  # bytes: they go into the index as they are
             try:
-                await self._wait_promotion(namespace, keys[n:], tokens[n:], keys[n - 1] if n else namespace)
+                await self._wait_promotion(namespace, keys[n:], tokens, keys[n - 1] if n else namespace)
             finally:
                 if pin:
                     self._unpin([pin])
-        return self.state.lookup(client, namespace, keys, tokens)
+        return self.state.lookup_joined(client, namespace, keys, blob, lengths)
 
     async def _wait_promotion(self, namespace: bytes, keys: list[bytes], tokens: list[bytes], parent: bytes) -> None:
         slot = (namespace, keys[0])
@@ -133,12 +141,12 @@ class L2Tier:
             log.exception("L2 promotion failed")
             self.counters.add(l2_errors=1)
 
-    def _l1_prefix(self, namespace: bytes, keys: list[bytes], tokens: list[bytes]) -> int | None:
+    def _l1_prefix(self, namespace: bytes, keys: list[bytes], blob: bytes, lengths: list[int]) -> int | None:
         """How many leading keys L1 would hit (PoolState's own verification, without side effects); None for a
         request that PoolState.lookup will refuse anyway."""
-        if namespace not in self.state.namespaces or len(keys) != len(tokens):
+        if namespace not in self.state.namespaces:
             return None
-        hits, _ = self.state.verified_prefix(namespace, keys, b"".join(tokens), list(map(len, tokens)))
+        hits, _ = self.state.verified_prefix(namespace, keys, blob, lengths)
         return len(hits)
 
     # ---- observation and shutdown ------------------------------------------------------------------------------
