@@ -10,16 +10,16 @@ import xxhash
 from kvshare.pool.client import NewChunk, PoolClient, PoolError, read_stats
 from kvshare.pool.protocol import ErrorCode
 from kvshare.pool.testing import start_pool
+from tests.pool.conftest import new_chunks, prompt
 
 PAGE = 64 << 10
 NS = xxhash.xxh3_128_digest(b"tests/reliability/limits")
 
 
-def chain(tag: str, n: int) -> tuple[list[NewChunk], list[bytes], list[bytes]]:
-    keys = [xxhash.xxh3_128_digest(f"{tag}-{i}".encode()) for i in range(n)]
-    tokens = [i.to_bytes(4, "little") * 8 for i in range(n)]
-    chunks = [NewChunk(k, NS if i == 0 else keys[i - 1], t, PAGE) for i, (k, t) in enumerate(zip(keys, tokens))]
-    return chunks, keys, tokens
+def chain(seed: int, n: int) -> tuple[list[NewChunk], list[bytes], list[bytes]]:
+    """n chained one-page chunks of a prompt in NS: (chunks to RESERVE, keys, tokens)."""
+    keys, tokens = prompt(n, seed=seed, ns=NS)
+    return new_chunks(keys, tokens, PAGE, first_parent=NS), keys, tokens
 
 
 def store(client: PoolClient, chunks: list[NewChunk]) -> None:
@@ -36,7 +36,7 @@ def pool():
 def test_lookup_beyond_the_limit_answers_a_shorter_prefix(pool):
     with PoolClient.connect(pool) as greedy, PoolClient.connect(pool) as other:
         greedy.hello(NS)
-        chunks, keys, tokens = chain("a", 8)
+        chunks, keys, tokens = chain(1, 8)
         store(greedy, chunks[:4])
         store(greedy, chunks[4:])  # committed: no lease held any more
         first = greedy.lookup(NS, keys, tokens)
@@ -55,7 +55,7 @@ def test_lookup_beyond_the_limit_answers_a_shorter_prefix(pool):
 def test_reserve_beyond_the_limit_is_refused_and_changes_nothing(pool):
     with PoolClient.connect(pool) as client:
         client.hello(NS)
-        chunks, _, _ = chain("b", 8)
+        chunks, _, _ = chain(2, 8)
         held = client.reserve(NS, chunks[:4])  # 4 pages under a write lease
         before = client.stats()
         with pytest.raises(PoolError) as error:
