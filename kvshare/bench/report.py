@@ -166,7 +166,8 @@ def cross_rows(cross: CrossReplicaSummary) -> list[list[str]]:
 CROSS_HEADER = ["length", "n OFF/ON", "OFF median s [95% CI]", "OFF IQR", "ON median s [95% CI]", "ON IQR",
                 "speedup [95% CI]", "block pairs", "ON pool hits (tokens)"]
 SESSION_HEADER = ["context", "placement", "OFF session s", "ON session s", "ON improvement"]
-TURN_HEADER = ["context", "placement", "arm", "sessions", "TTFT per turn, median s", "session total s [95% CI]"]
+TURN_HEADER = ["context", "placement", "arm", "sessions", "TTFT per turn, median s", "session total s [95% CI]",
+               "of which TTFTs s", "after first tokens s"]
 
 
 def session_rows(sessions: SessionsSummary) -> list[list[str]]:
@@ -176,7 +177,8 @@ def session_rows(sessions: SessionsSummary) -> list[list[str]]:
 
 def turn_rows(sessions: SessionsSummary) -> list[list[str]]:
     return [[c.context, c.placement, c.arm, str(c.sessions), ", ".join(_fmt(t) for t in c.turn_ttft_medians),
-             f"{_fmt(c.total_time.median)} [{_fmt(c.total_time.ci_low)}, {_fmt(c.total_time.ci_high)}]"]
+             f"{_fmt(c.total_time.median)} [{_fmt(c.total_time.ci_low)}, {_fmt(c.total_time.ci_high)}]",
+             _fmt(c.ttft_sum_s), _fmt(c.after_first_token_s)]
             for c in sessions.conditions]
 
 

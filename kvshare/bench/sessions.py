@@ -44,7 +44,9 @@ class SessionsConfig:
 
 @dataclass(frozen=True)
 class ConditionResult:
-    """One (context, placement, arm): per-turn median TTFT and the median total session time."""
+    """One (context, placement, arm): per-turn median TTFT and the median total session time, which splits into the
+    time to each turn's first token and the time after it (the answer's decode): a cache can only shorten the first,
+    and anything that slows decode (a store running beside it) shows in the second."""
 
     context: str
     placement: str
@@ -52,6 +54,8 @@ class ConditionResult:
     sessions: int
     turn_ttft_medians: list[float]
     total_time: stats.Summary
+    ttft_sum_s: float  # median over sessions of the turns' TTFTs added up
+    after_first_token_s: float  # median over sessions of the turns' (latency - TTFT) added up
 
 
 @dataclass(frozen=True)
@@ -135,11 +139,13 @@ def summarize(rows: list[RequestRow], config: SessionsConfig, seed: int = 0) -> 
                 mine = [r for r in done if r.length_label == label and r.placement == placement and r.arm == arm]
                 per_session = _complete_sessions(mine, config.turns)
                 totals[arm] = [sum(r.latency_s for r in turns) for turns in per_session.values()]
+                ttfts = [sum(r.ttft_s for r in turns) for turns in per_session.values()]
                 conditions.append(ConditionResult(
                     context=label, placement=placement, arm=arm, sessions=len(per_session),
                     turn_ttft_medians=[stats.median([r.ttft_s for r in mine if r.turn == t])
                                        for t in range(1, config.turns + 1)],
-                    total_time=stats.summarize(totals[arm], seed),
+                    total_time=stats.summarize(totals[arm], seed), ttft_sum_s=stats.median(ttfts),
+                    after_first_token_s=stats.median([t - f for t, f in zip(totals[arm], ttfts)]),
                 ))
             off, on = stats.median(totals["OFF"]), stats.median(totals["ON"])
             gains.append(PlacementGain(label, placement, off, on, stats.improvement(off, on)))

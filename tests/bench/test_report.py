@@ -53,6 +53,9 @@ def test_summary_and_report_files_hold_the_measured_rows(tmp_path):
     assert "kvshare bench x" in markdown and "OFF1:ON1" in markdown and "Partial" not in markdown
     gains = {g["placement"]: g for g in summary["sessions"]["gains"]}
     assert gains["alternate"]["off_total_s"] == 6.0
+    on = next(c for c in summary["sessions"]["conditions"] if c["arm"] == "ON" and c["placement"] == "fixed")
+    assert (on["ttft_sum_s"], on["after_first_token_s"]) == (2.0, 4.0)  # TTFTs 1 + 0.5 + 0.5; latencies 3 x 2.0
+    assert "| 1k | fixed | ON | 1 | 1.000, 0.500, 0.500 | 6.000 [6.000, 6.000] | 2.000 | 4.000 |" in markdown
 
 
 def test_partial_report_marks_the_error_and_keeps_nan_as_null(tmp_path):
