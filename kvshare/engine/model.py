@@ -134,13 +134,12 @@ class DecoderLayer(nn.Module):
             h[s:e] += attn.o_proj(q[s:e])
             h[s:e] += self.mlp(self.post_attention_layernorm(h[s:e]))
 
-    def decode(self, h, cache, block_tables, positions, cos, sin):
-        """One new token per sequence: h (B, hidden) at `positions`; each sequence's K/V spans [0, position]."""
+    def decode(self, h, cache, block_tables, positions, cos, sin, slots):
+        """One new token per sequence: h (B, hidden) at `positions`, whose K/V go to `slots` (block ids, offsets: the
+        same in every layer); each sequence's K/V spans [0, position]."""
         attn = self.self_attn
         q, k, v = attn.qkv(self.input_layernorm(h), cos, sin)
-        block_size = cache.shape[2]
-        blocks = torch.stack([table[p // block_size] for table, p in zip(block_tables, positions)])
-        write_kv(cache, blocks, torch.tensor([p % block_size for p in positions], device=h.device), k, v)
+        write_kv(cache, *slots, k, v)
         out = decode_attention(q, cache, block_tables, [p + 1 for p in positions], attn.scale)
         h = h + attn.o_proj(out.flatten(1))
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -183,7 +182,14 @@ class CausalLM(nn.Module):
     def decode(self, token_ids, positions: list[int], kv_caches, block_tables, rotary: Rotary) -> torch.Tensor:
         """One step for B sequences: token_ids (B,) at `positions`; returns logits (B, vocab)."""
         h = self.model.embed_tokens(token_ids)
-        cos, sin = rotary.tables(torch.tensor(positions, device=token_ids.device))
+        device = token_ids.device
+        cos, sin = rotary.tables(torch.tensor(positions, device=device))
+        # Where each new token's K/V goes, computed once per step. Per layer it was 64 small host-to-device copies a
+        # token, each a blocking copy that first waits for the GPU work queued before it, so the host could never
+        # queue layers ahead of the GPU (decode ran at 50-85 ms/token on an H200; the effect is not yet measured).
+        block_size = kv_caches[0].shape[2]
+        slots = (torch.stack([table[p // block_size] for table, p in zip(block_tables, positions)]),
+                 torch.tensor([p % block_size for p in positions], device=device))
         for layer, cache in zip(self.model.layers, kv_caches):
-            h = layer.decode(h, cache, block_tables, positions, cos, sin)
+            h = layer.decode(h, cache, block_tables, positions, cos, sin, slots)
         return self.logits(h)
