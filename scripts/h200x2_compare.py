@@ -28,7 +28,7 @@ def cross_rows(paths: list[Path]) -> list[dict]:
     for path in paths:
         for length in json.loads(path.read_text())["cross_replica"]["lengths"]:
             c = length["comparison"]
-            study = STUDY_TTFT.get(length["label"]) or STUDY_TTFT.get("256k" if length["tokens"] > 200_000 else "")
+            study = STUDY_TTFT.get("256k" if length["tokens"] > 200_000 else length["label"])  # 255k is the 256k row
             rows.append(dict(label=length["label"], off=c["off"]["median"], on=c["on"]["median"], n_off=c["off"]["n"],
                              n_on=c["on"]["n"], study=study))
     return rows
@@ -89,6 +89,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     cross, sessions = cross_rows(args.cross), session_rows(args.sessions)
+    args.out.mkdir(parents=True, exist_ok=True)
     text = markdown(cross, sessions)
     (args.out / "compare.md").write_text(text)
     plot(cross, sessions, args.out)

@@ -44,10 +44,10 @@ def register(cli) -> None:
 
 
 def engine_config(args: argparse.Namespace):
-    from kvshare.engine.config import EngineConfig
+    from kvshare.engine.config import EngineConfig, default_dtype
     from kvshare.units import parse_size
 
-    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    dtype = args.dtype or default_dtype(args.device)
     return EngineConfig(
         model=args.model, load_format=args.load_format, device=args.device, dtype=dtype, block_size=args.block_size,
         num_blocks=args.num_blocks,

@@ -13,6 +13,11 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def default_dtype(device: str) -> str:
+    """`kvshare serve`'s dtype when none is given: bfloat16 on CUDA, float32 on the CPU."""
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     """Rotary embedding parameters; `kind` is "default" or "llama3" (Llama 3.1 frequency scaling)."""

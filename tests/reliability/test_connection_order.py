@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import xxhash
 
 from kvshare.pool import protocol as p
@@ -67,61 +68,55 @@ class PausingTransport(asyncio.Transport):
         self.closed = True
 
 
-def _committed_chunk(harness: Harness) -> None:
-    state = harness.server.state
-    reservation = state.reserve(9, NAMESPACE, [p.NewChunk(KEY, NAMESPACE, TOKENS, PAGE)])
-    state.commit(9, reservation.lease, [0])
-
-
-def _connect(harness: Harness) -> tuple[ClientProtocol, PausingTransport, HeldL2]:
-    harness.server.l2 = held = HeldL2(harness.server.state)
-    protocol = ClientProtocol(harness.server, Connection(1, authenticated=True))
-    transport = PausingTransport(protocol)
-    protocol.connection_made(transport)
-    return protocol, transport, held
-
-
-def test_a_waiting_lookup_is_answered_before_the_requests_sent_after_it():
+@pytest.fixture
+def waiting():
+    """A pool with one committed chunk, and one client connection whose LOOKUPs wait in HeldL2 until released:
+    (harness, protocol, transport, held)."""
     harness = Harness()
     try:
-        _committed_chunk(harness)
-        protocol, transport, held = _connect(harness)
-
-        async def scenario():
-            transport.feed(p.frame(p.Lookup.of(NAMESPACE, [KEY], [TOKENS])) + p.frame(p.Stats()))
-            await asyncio.sleep(0.05)
-            assert transport.written == []  # STATS is not answered ahead of the waiting LOOKUP
-            held.release.set()
-            for _ in range(100):
-                if len(transport.written) == 2:
-                    break
-                await asyncio.sleep(0.01)
-
-        harness.loop.run_until_complete(scenario())
-        assert [type(r) for r in transport.written] == [p.LookupReply, p.StatsReply]
-        assert transport.written[0].lease
+        state = harness.server.state
+        reservation = state.reserve(9, NAMESPACE, [p.NewChunk(KEY, NAMESPACE, TOKENS, PAGE)])
+        state.commit(9, reservation.lease, [0])
+        harness.server.l2 = held = HeldL2(state)
+        protocol = ClientProtocol(harness.server, Connection(1, authenticated=True))
+        transport = PausingTransport(protocol)
+        protocol.connection_made(transport)
+        yield harness, protocol, transport, held
     finally:
         harness.close()
 
 
-def test_a_client_gone_while_its_lookup_waits_holds_no_lease_after_it_is_answered():
-    harness = Harness()
-    try:
-        _committed_chunk(harness)
-        protocol, transport, held = _connect(harness)
+def test_a_waiting_lookup_is_answered_before_the_requests_sent_after_it(waiting):
+    harness, protocol, transport, held = waiting
 
-        async def scenario():
-            transport.feed(p.frame(p.Lookup.of(NAMESPACE, [KEY], [TOKENS])))
-            await asyncio.sleep(0.05)
-            protocol.connection_lost(None)  # the client leaves while the LOOKUP waits
-            held.release.set()
-            for _ in range(100):
-                if protocol._pending is None:
-                    break
-                await asyncio.sleep(0.01)
+    async def scenario():
+        transport.feed(p.frame(p.Lookup.of(NAMESPACE, [KEY], [TOKENS])) + p.frame(p.Stats()))
+        await asyncio.sleep(0.05)
+        assert transport.written == []  # STATS is not answered ahead of the waiting LOOKUP
+        held.release.set()
+        for _ in range(100):
+            if len(transport.written) == 2:
+                break
+            await asyncio.sleep(0.01)
 
-        harness.loop.run_until_complete(scenario())
-        assert len(harness.server.state.leases) == 0  # the read lease the LOOKUP granted ended with the client
-        harness.server.state.check_integrity()
-    finally:
-        harness.close()
+    harness.loop.run_until_complete(scenario())
+    assert [type(r) for r in transport.written] == [p.LookupReply, p.StatsReply]
+    assert transport.written[0].lease
+
+
+def test_a_client_gone_while_its_lookup_waits_holds_no_lease_after_it_is_answered(waiting):
+    harness, protocol, transport, held = waiting
+
+    async def scenario():
+        transport.feed(p.frame(p.Lookup.of(NAMESPACE, [KEY], [TOKENS])))
+        await asyncio.sleep(0.05)
+        protocol.connection_lost(None)  # the client leaves while the LOOKUP waits
+        held.release.set()
+        for _ in range(100):
+            if protocol._pending is None:
+                break
+            await asyncio.sleep(0.01)
+
+    harness.loop.run_until_complete(scenario())
+    assert len(harness.server.state.leases) == 0  # the read lease the LOOKUP granted ended with the client
+    harness.server.state.check_integrity()
