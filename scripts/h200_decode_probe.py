@@ -7,8 +7,12 @@ unchanged (docs/results/h200x2/NOTES.md). Each condition sends a fresh prompt an
 - `no pool`: no connector;
 - `store`: the connector stores the prompt while the answer decodes (copies on side streams, then hashing, COMMIT);
 - `store, no hashing`: the same with the commit's checksums replaced by zeros, which isolates the hashing threads;
+- `store, 1 hash thread`: hashing on one thread instead of up to 16 (do many hashing threads starve the engine
+  thread of the GIL?);
 - `already stored`: the connector attached but the prompt's chunks in the pool already (no copy, no hash).
-Prints a table (median and spread of ms per decode token, store seconds) and writes decode_probe.json.
+The store conditions run twice, interleaved (noise shows as disagreement between the two). Prints a table (median
+and spread of ms per decode token, the engine thread's time inside the store call, store seconds) and writes
+decode_probe.json with every step's time.
 `--preset small --device cpu --dtype float32 --length 512` is a smoke run of the script.
 """
 
@@ -21,7 +25,7 @@ import statistics
 import tempfile
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -32,6 +36,7 @@ from kvshare.engine.config import EngineConfig
 from kvshare.engine.engine import Engine
 from kvshare.engine.make_model import make_model
 from kvshare.pool.testing import start_pool
+from kvshare.transfer import checksum
 
 
 def token_times(engine: Engine, request_id: str, prompt: tuple[int, ...], tokens: int) -> list[float]:
@@ -57,14 +62,34 @@ def fresh_prompt(length: int, vocab: int, seed: int) -> tuple[int, ...]:
 def measure(name: str, engine: Engine, prompt: tuple[int, ...], tokens: int) -> dict:
     stats = engine.connector.stats if engine.connector else None
     stored_before = stats.store_seconds if stats else 0.0
-    times = token_times(engine, name, prompt, tokens)
+    calls: list[float] = []  # seconds the engine thread spent inside each store call (it decodes nothing meanwhile)
+    if engine.pool:
+        store = engine.pool.store
+
+        def timed_store(seq, num_tokens):
+            start = time.perf_counter()
+            try:
+                return store(seq, num_tokens)
+            finally:
+                calls.append(time.perf_counter() - start)
+
+        engine.pool.store = timed_store
+    try:
+        times = token_times(engine, name, prompt, tokens)
+    finally:
+        if engine.pool:
+            del engine.pool.store  # back to the class's method
     if engine.connector:
         engine.connector.core.flush(300)
     steps = [b - a for a, b in zip(times[1:], times[2:])]  # decode steps: first token to each next one
+    print(f"{name}: median {1e3 * statistics.median(steps):.1f} ms/token, store calls {1e3 * sum(calls):.1f} ms",
+          flush=True)  # a partial result survives a cut run
     return dict(condition=name, prompt_tokens=len(prompt), ttft_s=times[1] - times[0],
                 decode_ms_median=1e3 * statistics.median(steps), decode_ms_min=1e3 * min(steps),
                 decode_ms_max=1e3 * max(steps), decode_s_total=times[-1] - times[1],
-                store_s=(stats.store_seconds - stored_before) if stats else 0.0)
+                store_s=(stats.store_seconds - stored_before) if stats else 0.0,
+                store_call_ms_max=1e3 * max(calls, default=0.0), store_call_ms_total=1e3 * sum(calls),
+                steps_ms=[round(1e3 * step, 2) for step in steps])
 
 
 def main() -> None:
@@ -75,7 +100,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=32768, help="prompt tokens")
     parser.add_argument("--tokens", type=int, default=64, help="answer tokens (decode steps + 1)")
     parser.add_argument("--kv-cache-gib", type=float, default=40.0)
-    parser.add_argument("--pool-size", default="32GiB")
+    parser.add_argument("--pool-size", default="64GiB", help="holds every stored prompt (six at --length)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out/decode_probe")))
     args = parser.parse_args()
     model = str(make_model(args.preset, Path(tempfile.mkdtemp()) / args.preset))
@@ -92,12 +117,25 @@ def main() -> None:
             stored = fresh_prompt(args.length, vocab, 3)
             rows.append(measure("store", engine, stored, args.tokens))
             transfer = engine.connector.core._attached[1]
-            real = transfer.start_checksums
-            transfer.start_checksums = lambda chunks: [_done(0) for _ in chunks]  # COMMIT with zero checksums
-            try:
-                rows.append(measure("store, no hashing", engine, fresh_prompt(args.length, vocab, 4), args.tokens))
-            finally:
-                transfer.start_checksums = real
+            for repeat, seed in ((1, 4), (2, 6)):
+                if repeat == 2:
+                    rows.append(measure("store", engine, fresh_prompt(args.length, vocab, 5), args.tokens))
+                real = transfer.start_checksums
+                transfer.start_checksums = lambda chunks: [_done(0) for _ in chunks]  # COMMIT with zero checksums
+                try:
+                    rows.append(measure("store, no hashing", engine, fresh_prompt(args.length, vocab, seed),
+                                        args.tokens))
+                finally:
+                    transfer.start_checksums = real
+                real_hashers = checksum._hashers
+                one = ThreadPoolExecutor(1, thread_name_prefix="probe-hash")
+                checksum._hashers = lambda: one
+                try:
+                    rows.append(measure("store, 1 hash thread", engine, fresh_prompt(args.length, vocab, seed + 10),
+                                        args.tokens))
+                finally:
+                    checksum._hashers = real_hashers
+                    one.shutdown()
             # The same prompt again, as another request: its chunks are in the pool, so nothing is copied or hashed
             # (its prefix also comes from the engine's own cache: the decode is what is compared).
             rows.append(measure("already stored", engine, stored, args.tokens))
@@ -107,10 +145,12 @@ def main() -> None:
         engine.shutdown()
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"{device}, {args.preset}, prompt {args.length} tokens, {args.tokens - 1} decode steps")
-    print(f"{'condition':<20} {'TTFT s':>8} {'ms/token med':>12} {'min':>7} {'max':>7} {'decode s':>9} {'store s':>8}")
+    print(f"{'condition':<22} {'TTFT s':>7} {'ms/token med':>12} {'min':>6} {'max':>6} {'decode s':>8} "
+          f"{'store call ms max/total':>23} {'store s':>7}")
     for r in rows:
-        print(f"{r['condition']:<20} {r['ttft_s']:8.3f} {r['decode_ms_median']:12.1f} {r['decode_ms_min']:7.1f} "
-              f"{r['decode_ms_max']:7.1f} {r['decode_s_total']:9.3f} {r['store_s']:8.3f}")
+        print(f"{r['condition']:<22} {r['ttft_s']:7.3f} {r['decode_ms_median']:12.1f} {r['decode_ms_min']:6.1f} "
+              f"{r['decode_ms_max']:6.1f} {r['decode_s_total']:8.3f} "
+              f"{r['store_call_ms_max']:11.1f}/{r['store_call_ms_total']:<11.1f} {r['store_s']:7.3f}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_probe.json").write_text(json.dumps(dict(device=device, preset=args.preset,
                                                                 length=args.length, rows=rows), indent=2))

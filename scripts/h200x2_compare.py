@@ -1,8 +1,9 @@
 """Issue 9's side-by-side: our two-H200 figures (summary.json of `kvshare bench cross-replica` and `sessions`) next
 to the case study's, as a Markdown table and one plot.
 
-    python scripts/h200x2_compare.py --cross docs/results/h200x2/cross-128k/summary.json \
-        --sessions docs/results/h200x2/sessions/summary.json --out docs/results/h200x2
+    python scripts/h200x2_compare.py --cross docs/results/h200x2/cross-32k/summary.json \
+        --cross docs/results/h200x2/cross-128k/summary.json --cross docs/results/h200x2/cross-255k/summary.json \
+        --sessions docs/results/h200x2/sessions-2/summary.json --out docs/results/h200x2
 
 The study's model is a 27B one on two GPUs; ours is the qwen2.5-32b shape with dummy weights (256 KiB of KV per
 token), so the comparison is of shape, not of exact seconds.
@@ -29,7 +30,8 @@ def cross_rows(paths: list[Path]) -> list[dict]:
         for length in json.loads(path.read_text())["cross_replica"]["lengths"]:
             c = length["comparison"]
             study = STUDY_TTFT.get("256k" if length["tokens"] > 200_000 else length["label"])  # 255k is the 256k row
-            rows.append(dict(label=length["label"], off=c["off"]["median"], on=c["on"]["median"], n_off=c["off"]["n"],
+            label = f"{round(length['tokens'] / 1024)}k" if length["label"].isdigit() else length["label"]  # 261120: 255k
+            rows.append(dict(label=label, off=c["off"]["median"], on=c["on"]["median"], n_off=c["off"]["n"],
                              n_on=c["on"]["n"], study=study))
     return rows
 
