@@ -19,6 +19,7 @@ decode_probe.json with every step's time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -82,10 +83,10 @@ def measure(name: str, engine: Engine, prompt: tuple[int, ...], tokens: int) -> 
     if engine.connector:
         engine.connector.core.flush(300)
     steps = [b - a for a, b in zip(times[1:], times[2:])]  # decode steps: first token to each next one
-    print(f"{name}: median {1e3 * statistics.median(steps):.1f} ms/token, store calls {1e3 * sum(calls):.1f} ms",
+    median_ms = 1e3 * statistics.median(steps)
+    print(f"{name}: median {median_ms:.1f} ms/token, store calls {1e3 * sum(calls):.1f} ms",
           flush=True)  # a partial result survives a cut run
-    return dict(condition=name, prompt_tokens=len(prompt), ttft_s=times[1] - times[0],
-                decode_ms_median=1e3 * statistics.median(steps), decode_ms_min=1e3 * min(steps),
+    return dict(condition=name, prompt_tokens=len(prompt), ttft_s=times[1] - times[0], decode_ms_median=median_ms, decode_ms_min=1e3 * min(steps),
                 decode_ms_max=1e3 * max(steps), decode_s_total=times[-1] - times[1],
                 store_s=(stats.store_seconds - stored_before) if stats else 0.0,
                 store_call_ms_max=1e3 * max(calls, default=0.0), store_call_ms_total=1e3 * sum(calls),
@@ -115,27 +116,13 @@ def main() -> None:
             engine.set_connector(PoolConnector.for_engine(engine, ConnectorConfig(address=address)))
             token_times(engine, "warm-up pool", fresh_prompt(256, vocab, 2), 4)
             stored = fresh_prompt(args.length, vocab, 3)
-            rows.append(measure("store", engine, stored, args.tokens))
             transfer = engine.connector.core._attached[1]
-            for repeat, seed in ((1, 4), (2, 6)):
-                if repeat == 2:
-                    rows.append(measure("store", engine, fresh_prompt(args.length, vocab, 5), args.tokens))
-                real = transfer.start_checksums
-                transfer.start_checksums = lambda chunks: [_done(0) for _ in chunks]  # COMMIT with zero checksums
-                try:
-                    rows.append(measure("store, no hashing", engine, fresh_prompt(args.length, vocab, seed),
+            patches = {"store": contextlib.nullcontext, "store, no hashing": lambda: _zero_checksums(transfer),
+                       "store, 1 hash thread": _one_hash_thread}
+            for i, name in enumerate(list(patches) * 2):  # each twice, interleaved: repeats that disagree are noise
+                with patches[name]():
+                    rows.append(measure(name, engine, stored if i == 0 else fresh_prompt(args.length, vocab, 3 + i),
                                         args.tokens))
-                finally:
-                    transfer.start_checksums = real
-                real_hashers = checksum._hashers
-                one = ThreadPoolExecutor(1, thread_name_prefix="probe-hash")
-                checksum._hashers = lambda: one
-                try:
-                    rows.append(measure("store, 1 hash thread", engine, fresh_prompt(args.length, vocab, seed + 10),
-                                        args.tokens))
-                finally:
-                    checksum._hashers = real_hashers
-                    one.shutdown()
             # The same prompt again, as another request: its chunks are in the pool, so nothing is copied or hashed
             # (its prefix also comes from the engine's own cache: the decode is what is compared).
             rows.append(measure("already stored", engine, stored, args.tokens))
@@ -154,6 +141,29 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_probe.json").write_text(json.dumps(dict(device=device, preset=args.preset,
                                                                 length=args.length, rows=rows), indent=2))
+
+
+@contextlib.contextmanager
+def _zero_checksums(transfer):
+    """COMMIT with zero checksums: the store without its hashing threads."""
+    real = transfer.start_checksums
+    transfer.start_checksums = lambda chunks: [_done(0) for _ in chunks]
+    try:
+        yield
+    finally:
+        transfer.start_checksums = real
+
+
+@contextlib.contextmanager
+def _one_hash_thread():
+    """Hash on one thread instead of up to 16 (do many hashing threads starve the engine thread of the GIL?)."""
+    real, one = checksum._hashers, ThreadPoolExecutor(1, thread_name_prefix="probe-hash")
+    checksum._hashers = lambda: one
+    try:
+        yield
+    finally:
+        checksum._hashers = real
+        one.shutdown()
 
 
 def _done(value: int) -> Future:

@@ -72,7 +72,7 @@ class LocalConfig:
         connection may lease at most half the arena (the pool's default limit), so A would store and B load only
         the chunks under it, and the ON arm would recompute the rest. (A 255k run with a 72 GiB pool did that.)"""
         from kvshare.engine.config import DTYPES, ModelConfig, default_dtype
-        from kvshare.pool.config import DEFAULT_PAGE_SIZE as PAGE
+        from kvshare.pool.config import DEFAULT_PAGE_SIZE as PAGE, PoolConfig
         from kvshare.units import format_size, parse_size
 
         try:
@@ -83,7 +83,7 @@ class LocalConfig:
         per_token = model.kv_bytes_per_token(DTYPES[default_dtype(self.device)])  # the replicas' dtype (no --dtype)
         chunk_pages = -(-self.chunk_tokens * per_token // PAGE)
         needed = tokens // self.chunk_tokens * chunk_pages * PAGE
-        limit = parse_size(self.pool_size) // PAGE // 2 * PAGE
+        limit = PoolConfig(size=parse_size(self.pool_size), socket="").lease_limit * PAGE  # the pool's own default
         if needed > limit:
             raise BenchError(
                 f"the longest prompt ({tokens} tokens) is {format_size(needed)} of KV in the pool, but with --pool-size "

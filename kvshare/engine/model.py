@@ -184,9 +184,9 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(token_ids)
         device = token_ids.device
         cos, sin = rotary.tables(torch.tensor(positions, device=device))
-        # Where each new token's K/V goes, computed once per step. Per layer it was 64 small host-to-device copies a
-        # token, each a blocking copy that first waits for the GPU work queued before it, so the host could never
-        # queue layers ahead of the GPU (decode ran at 50-85 ms/token on an H200; the effect is not yet measured).
+        # Where each new token's K/V goes, computed once per step, not once per layer (64 small host-to-device
+        # copies a token). Measured on an H200 afterwards: decode stayed at 50-75 ms/token (docs/results/h200x2,
+        # decode-probe), so those copies were not what holds decode back; the host time is elsewhere.
         block_size = kv_caches[0].shape[2]
         slots = (torch.stack([table[p // block_size] for table, p in zip(block_tables, positions)]),
                  torch.tensor([p % block_size for p in positions], device=device))
