@@ -42,7 +42,7 @@ common=(--local "$MODEL" --device "$DEVICE" --gpus "${GPUS-0,1}" --load-format d
 [ "${VERIFY:-0}" = 1 ] || common+=(--no-verify-checksums)
 # Each benchmark stops itself (SIGTERM: it stops its processes and writes a partial report) before the device
 # tool's 10-minute limit would kill the call without packing the archive.
-bench() { timeout -s TERM "${PART_TIMEOUT:-575}" $PY -m kvshare.cli bench "$@" || echo "bench exited with $?"; }
+bench() { timeout -s TERM "${PART_TIMEOUT:-540}" $PY -m kvshare.cli bench "$@" || echo "bench exited with $?"; }
 cross() {  # cross-replica OFF-ON-ON-OFF, one request per length and block; A's request skipped in OFF blocks
   bench cross-replica "${common[@]}" --lengths "$1" --per-block 1 --question-tokens 64 \
     --max-tokens 8 --skip-off-warm --out "$OUT/$part/cross-$2" "${@:3}"
