@@ -144,14 +144,23 @@ class PoolClient:
         except ValueError as error:
             raise PoolError(f"pool {self._address} sent a bad LOOKUP reply: {error} (a pool bug: report it)") from None
 
-    def reserve(self, namespace_key: bytes, chunks: list[NewChunk]) -> Reservation:
-        return self._call(p.Reserve(namespace_key, chunks), p.ReserveReply)
+    def reserve(self, namespace_key: bytes, chunks: list[NewChunk], evict: bool = True) -> Reservation:
+        """Pages for the chunks not yet in the pool, under a write lease: write them, then COMMIT (or RELEASE).
+        evict=False never drops committed chunks to make room (free pages only)."""
+        return self._call(p.Reserve(namespace_key, chunks, evict), p.ReserveReply)
 
     def commit(self, lease: int, checksums: list[int]) -> None:
         self._call(p.Commit(lease, checksums), p.Ok)
 
     def release(self, lease: int) -> None:
+        """End a lease once this process no longer touches its pages. Also accepted for a lease of an earlier
+        connection of this process after it expired or its connection closed (that frees its pages)."""
         self._call(p.Release(lease), p.Ok)
+
+    def discard(self, namespace_key: bytes, keys: list[bytes]) -> int:
+        """Remove committed chunks whose bytes failed verification, so the next store replaces them; returns how many
+        were removed."""
+        return self._call(p.Discard(namespace_key, keys), p.Ok).count
 
     def stats(self) -> PoolStats:
         return self._call(p.Stats(), p.StatsReply).stats

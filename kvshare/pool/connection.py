@@ -24,6 +24,7 @@ class Connection:
 
     id: int
     authenticated: bool
+    is_unix: bool = True
 
 
 class ClientProtocol(asyncio.BufferedProtocol):
@@ -53,7 +54,7 @@ class ClientProtocol(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.server.clients += 1
+        self.server.connected(self.conn, transport.get_extra_info("socket"))
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._target[self._got :]
@@ -85,9 +86,8 @@ class ClientProtocol(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
-        self.server.clients -= 1
         if self._pending is None:
-            self.server.state.drop_client(self.conn.id)  # I8: its leases end
+            self.server.disconnected(self.conn)  # I8, I10: its leases are fenced, and end once its process is gone
         # else: _answered drops the client once the pending request has finished (it may grant a lease).
 
     # ---- frames ------------------------------------------------------------------------------------------------
@@ -121,7 +121,7 @@ class ClientProtocol(asyncio.BufferedProtocol):
     def _answered(self, pending: asyncio.Future) -> None:
         self._pending = None
         if self._closed:
-            self.server.state.drop_client(self.conn.id)  # closed while waiting: end the lease it may have granted
+            self.server.disconnected(self.conn)  # closed while waiting: fence the lease it may have granted
             return
         if pending.cancelled():  # the server is shutting down
             self.transport.close()

@@ -29,7 +29,8 @@ class ErrorCode:
     AUTH = "auth"  # missing or wrong token over TCP; the server closes that connection
     BAD_REQUEST = "bad_request"  # decoded, but the values make no sense (lengths differ, nbytes <= 0, ...)
     UNKNOWN_NAMESPACE = "unknown_namespace"
-    UNKNOWN_LEASE = "unknown_lease"  # never existed, already ended, expired, or owned by another connection
+    UNKNOWN_LEASE = "unknown_lease"  # never existed, already ended, or owned by another connection
+    LEASE_EXPIRED = "lease_expired"  # COMMIT of a lease fenced after its deadline or connection: nothing published
     NO_SPACE = "no_space"  # RESERVE could not find enough unleased pages, even after eviction
     LEASE_LIMIT = "lease_limit"  # RESERVE would take the client past its leased-pages limit (LOOKUP shortens instead)
     INTEGRITY = "integrity"  # debug check failed after a request: a server bug
@@ -90,6 +91,7 @@ class Lookup(Request):
 class Reserve(Request):
     namespace: bytes
     chunks: list[NewChunk]
+    evict: bool = True  # False: free pages only, never drop a committed chunk (a check of a live pool)
 
 
 class Commit(Request):
@@ -99,6 +101,13 @@ class Commit(Request):
 
 class Release(Request):
     lease: int
+
+
+class Discard(Request):
+    """Remove these committed chunks: the sender read one and its bytes did not match its checksum (I11)."""
+
+    namespace: bytes
+    keys: list[bytes]
 
 
 class Stats(Request):
@@ -113,7 +122,7 @@ class Health(Request):
     deep: bool = False  # also run check_integrity() on the server
 
 
-AnyRequest = Union[Attach, Hello, Lookup, Reserve, Commit, Release, Stats, Clear, Health]
+AnyRequest = Union[Attach, Hello, Lookup, Reserve, Commit, Release, Discard, Stats, Clear, Health]
 
 # ---- replies -------------------------------------------------------------------------------------------------
 
@@ -138,7 +147,7 @@ class ArenaInfo(Reply):
 
 
 class Ok(Reply):
-    count: int = 0  # CLEAR: chunks removed
+    count: int = 0  # CLEAR, DISCARD: chunks removed
 
 
 # One LookupReply record per chunk found: nbytes, checksum, page count (little-endian uint64, uint64, uint32).

@@ -26,13 +26,14 @@ from kvshare.pool import protocol as p
 from kvshare.pool.arena import Arena, prepare_rate
 from kvshare.pool.config import PoolConfig
 from kvshare.pool.connection import ClientProtocol, CloseConnection, Connection
+from kvshare.pool.holders import ProcessWatch, peer_pid
 from kvshare.pool.state import IntegrityError, PoolState, RequestError
 from kvshare.pool.stats import LatencyRecorder
 from kvshare.units import format_size
 
 log = logging.getLogger(__name__)
 EXPIRY_PERIOD = 0.25  # seconds between lease-expiry sweeps (a lease may outlive its timeout by this much)
-MUTATING = (p.Hello, p.Lookup, p.Reserve, p.Commit, p.Release, p.Clear)
+MUTATING = (p.Hello, p.Lookup, p.Reserve, p.Commit, p.Release, p.Discard, p.Clear)
 
 
 class PoolServer:
@@ -49,6 +50,7 @@ class PoolServer:
         self.started = time.monotonic()
         self._ids = itertools.count(1)
         self.instance = os.urandom(8).hex()  # identity only, never a key: clients tell pool lives apart by it
+        self.watches: dict[int, ProcessWatch] = {}  # connection id -> its process, while it is open or holds leases
         self._stop = asyncio.Event()
         self.l2 = None  # the L2Tier (kvshare.pool.l2), started in run() when config.l2 is set
 
@@ -97,16 +99,50 @@ class PoolServer:
             announce(f"ready: {prepare_rate(self.arena.size, time.monotonic() - started)} prepared")
 
     async def _expire_leases(self) -> None:
+        """Fence leases past their deadline, and end the fences of holders whose process has exited (I8, I10)."""
         while True:
             await asyncio.sleep(min(EXPIRY_PERIOD, self.config.lease_timeout / 4))
             if n := self.state.expire():
-                log.info("%d lease(s) expired after %g s", n, self.config.lease_timeout)
+                log.info("%d lease(s) expired after %g s: fenced until their holders finish or exit", n,
+                         self.config.lease_timeout)
+            for client in self.state.leases.fenced_clients():
+                watch = self.watches.get(client)
+                if watch is not None and watch.exited():
+                    self._gone(client)
 
     # ---- connections -------------------------------------------------------------------------------------------
 
     def _connection(self, is_unix: bool) -> ClientProtocol:
         """A new connection: Unix sockets are authenticated by file permissions, TCP by the token in ATTACH."""
-        return ClientProtocol(self, Connection(next(self._ids), authenticated=is_unix or not self.config.token))
+        return ClientProtocol(self, Connection(next(self._ids), authenticated=is_unix or not self.config.token,
+                                               is_unix=is_unix))
+
+    def connected(self, conn: Connection, sock) -> None:
+        """A Unix-socket peer is identified by the kernel at once; a TCP peer when its ATTACH names its pid."""
+        self.clients += 1
+        if conn.is_unix and sock is not None:
+            self._identify(conn, peer_pid(sock))
+
+    def _identify(self, conn: Connection, pid: int) -> None:
+        watch = ProcessWatch.watch(pid)
+        if watch is not None:
+            self.watches[conn.id] = watch
+            self.state.identify(conn.id, pid)
+
+    def disconnected(self, conn: Connection) -> None:
+        """The connection closed: its leases are fenced (I10) and end now if its process has already exited, else
+        when the expiry sweep sees it exit (a process's sockets close before its pidfd becomes readable)."""
+        self.clients -= 1
+        watch = self.watches.get(conn.id)
+        self.state.drop_client(conn.id, watched=watch is not None)
+        if watch is not None and (watch.exited() or not self.state.leases.of_client(conn.id)):
+            self._gone(conn.id)
+
+    def _gone(self, client: int) -> None:
+        self.state.client_gone(client)
+        watch = self.watches.pop(client, None)
+        if watch is not None:
+            watch.close()
 
     def handle(self, conn: Connection, body: memoryview) -> p.Reply | Awaitable[p.Reply]:
         """One request -> one reply, or a coroutine of it (a LOOKUP waiting for L2 promotion); every failure becomes
@@ -169,7 +205,9 @@ class PoolServer:
             case p.Attach(version=version) if version != p.PROTOCOL_VERSION:
                 raise RequestError(p.ErrorCode.VERSION, f"client speaks pool protocol {version}, this pool "
                                    f"{p.PROTOCOL_VERSION}: run the same kvshare version on both sides")
-            case p.Attach():
+            case p.Attach(pid=pid):
+                if not conn.is_unix and conn.id not in self.watches:
+                    self._identify(conn, pid)
                 return p.ArenaInfo(self.arena.path, self.config.page_size, self.config.num_pages, s.allocator.prepared, self.instance)
             case p.Hello(namespace, description):
                 s.hello(namespace, description)
@@ -182,8 +220,8 @@ class PoolServer:
                 if self.l2 is not None:  # awaited by handle(); a copy of the tokens: the wait outlives the frame
                     return self.l2.lookup(conn.id, namespace, keys, bytes(tokens), lengths)
                 return s.lookup_joined(conn.id, namespace, keys, tokens, lengths)
-            case p.Reserve(namespace, chunks):
-                return s.reserve(conn.id, namespace, chunks)
+            case p.Reserve(namespace, chunks, evict):
+                return s.reserve(conn.id, namespace, chunks, evict)
             case p.Commit(lease, checksums):
                 entries = s.commit(conn.id, lease, checksums)
                 if self.l2 is not None:
@@ -192,6 +230,8 @@ class PoolServer:
             case p.Release(lease):
                 s.release(conn.id, lease)
                 return p.Ok()
+            case p.Discard(namespace, keys):
+                return p.Ok(s.discard(namespace, keys))
             case p.Clear():
                 return p.Ok(s.clear())
             case p.Stats():

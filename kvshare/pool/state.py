@@ -1,8 +1,14 @@
-"""The pool's request semantics without any I/O: HELLO, LOOKUP, RESERVE, COMMIT, RELEASE, CLEAR, lease expiry.
+"""The pool's request semantics without any I/O: HELLO, LOOKUP, RESERVE, COMMIT, RELEASE, DISCARD, CLEAR, and the
+life of leases (expiry, fencing, holders that went away).
 
 The server calls these from its single event-loop thread, so no method needs a lock; each either completes or
 raises RequestError having changed nothing - except that a RESERVE refused for space may first have evicted
-unleased chunks trying to make room. Unit tests drive this class directly, without sockets.
+unleased chunks trying to make room, and a COMMIT of a fenced lease is refused but ends the fence (the holder has
+finished copying). Unit tests drive this class directly, without sockets.
+
+I10 (fencing) is enforced here: no page is handed out again while a process that was granted access to it may still
+touch it. Expiry and a closed connection fence a lease instead of ending it (leases.py); its pages come back only
+when the holder confirms (RELEASE/COMMIT, from any connection of the same process) or is gone (client_gone).
 """
 
 from __future__ import annotations
@@ -50,6 +56,9 @@ class PoolState:
         self.index = ChunkIndex()
         self.leases = LeaseTable(lease_timeout)
         self.namespaces: dict[bytes, str] = {}
+        self.processes: dict[int, int] = {}  # client -> the pid of its process, when the server knows it
+        self.pages_quarantined = 0  # pages of fenced write leases: in no chunk, not free (I10)
+        self.closed: set[int] = set()  # clients whose connection closed while they held (now fenced) leases
         self.high, self.low = high_watermark, low_watermark
         self.clock = clock
         self.counters = Counter()  # hit_chunks, miss_tokens, evictions, ... (names as in PoolStats)
@@ -90,9 +99,8 @@ class PoolState:
             return LookupReply(0)
         touch = self.index.committed.move_to_end
         for entry in reversed(hits):  # last chunk first: parents stay more recent than children (see eviction.py)
-            entry.readers += 1
             touch(entry.key)
-        lease = self.leases.new(READ, client, keys[:n], self.clock(), pages)
+        lease = self.pin(client, hits, pages)
         return LookupReply(lease.id, b"".join([e.record for e in hits]), b"".join([e.page_bytes for e in hits]))
 
     def verified_prefix(self, namespace: bytes, keys: list[bytes], blob: bytes | memoryview,
@@ -125,13 +133,23 @@ class PoolState:
                 offset += expected_length
         return hits, failed
 
-    def reserve(self, client: int, namespace: bytes, chunks: list[NewChunk]) -> ReserveReply:
-        """Pages for every chunk not already committed or reserved, under one write lease; all or nothing."""
+    def pin(self, client: int, entries: list[Entry], pages: int | None = None) -> Lease:
+        """A read lease on committed chunks: none of them is evicted or reused while it lives (I3)."""
+        for entry in entries:
+            entry.readers += 1
+        if pages is None:
+            pages = sum(len(entry.pages) for entry in entries)
+        return self.leases.new(READ, client, entries, self.clock(), pages)
+
+    def reserve(self, client: int, namespace: bytes, chunks: list[NewChunk], evict: bool = True) -> ReserveReply:
+        """Pages for every chunk not already committed or reserved, under one write lease; all or nothing.
+        evict=False takes free pages only and never drops a committed chunk (`kvshare pool check` on a live pool)."""
         self._check_namespace(namespace)
         wanted = self._new_chunks(chunks)
         needed = sum(self._pages_for(c.nbytes) for c in wanted)
         self._check_lease_limit(client, needed)
-        self._make_room(needed)
+        if evict:
+            self._make_room(needed)
         if needed > self.allocator.free_count:
             self.counters["no_space"] += 1
             raise RequestError(
@@ -141,17 +159,26 @@ class PoolState:
             )
         if not wanted:
             return ReserveReply(0, [None] * len(chunks))
-        lease = self.leases.new(WRITE, client, [c.key for c in wanted], self.clock(), needed)
+        lease = self.leases.new(WRITE, client, [], self.clock(), needed)
         refs: dict[bytes, ChunkRef] = {}
         for c in wanted:
             pages = self.allocator.allocate(self._pages_for(c.nbytes))
-            self.index.add_reserved(Entry(c.key, namespace, c.parent, c.tokens, c.nbytes, pages, lease=lease.id))
+            entry = Entry(c.key, namespace, c.parent, c.tokens, c.nbytes, pages, lease=lease.id)
+            self.index.add_reserved(entry)
+            lease.entries.append(entry)
             refs[c.key] = ChunkRef(c.key, pages, c.nbytes, 0)
         return ReserveReply(lease.id, [refs.pop(c.key, None) for c in chunks])
 
     def commit(self, client: int, lease_id: int, checksums: list[int]) -> list[Entry]:
-        """Publish the lease's chunks; returns their entries (the L2 tier writes them behind)."""
+        """Publish the lease's chunks; returns their entries (the L2 tier writes them behind).
+
+        A fenced lease's chunks are never published (another writer may have stored them since), but its COMMIT
+        says the holder's copy is over, so its quarantined pages are freed and LEASE_EXPIRED is answered."""
         lease = self._lease(client, lease_id, "COMMIT")
+        if lease.fenced:
+            self._end(lease)
+            raise RequestError(ErrorCode.LEASE_EXPIRED, f"COMMIT: lease {lease_id} expired (or its connection closed) "
+                               f"before COMMIT; its chunks were not published: store them again")
         if lease.kind != WRITE:
             raise RequestError(ErrorCode.BAD_REQUEST, f"lease {lease_id} is a read lease: COMMIT needs a RESERVE lease")
         if len(checksums) != len(lease.keys):
@@ -165,54 +192,125 @@ class PoolState:
         self.leases.pop(lease_id)
         # Last chunk first, so each parent ends more recent than its children (see eviction.py).
         entries = []
-        for key, checksum in reversed(list(zip(lease.keys, checksums))):
-            entry = self.index.commit(key, checksum)
+        for reserved, checksum in reversed(list(zip(lease.entries, checksums))):
+            entry = self.index.commit(reserved.key, checksum)
             self.counters["bytes_committed_total"] += entry.nbytes
             entries.append(entry)
         return entries[::-1]
 
     def release(self, client: int, lease_id: int) -> None:
+        """End a lease, live or fenced: its holder no longer touches its pages."""
         self._end(self._lease(client, lease_id, "RELEASE"))
+
+    def discard(self, namespace: bytes, keys: list[bytes]) -> int:
+        """Remove committed chunks of `namespace` that a reader found corrupt (I11), so that the next store replaces
+        them; returns how many were removed. Chunks under read leases leave the index now and free their pages with
+        their last reader (index.condemn). Keys not committed in this namespace are ignored. Any client may discard,
+        as any client may CLEAR: the pool trusts its clients (docs/security.md)."""
+        self._check_namespace(namespace)
+        removed = 0
+        for key in keys:
+            _check_key(key, "DISCARD key")
+            entry = self.index.committed.get(key)
+            if entry is None or entry.namespace != namespace:
+                continue
+            self.index.condemn(key)
+            if not entry.condemned:
+                self.allocator.free(entry.pages)
+            removed += 1
+        self.counters["discarded_chunks"] += removed
+        return removed
 
     def clear(self) -> int:
         """Drop every committed chunk not under a read lease; returns how many."""
         return len(eviction.evict(self.index, self.allocator, self.allocator.num_pages + 1))
 
     def expire(self) -> int:
-        """End every lease past its deadline (I8); returns how many."""
-        expired = self.leases.expired(self.clock())
+        """Fence every live lease past its deadline (I8, I10) and end fences whose grace has passed (holders the
+        pool cannot watch); returns how many leases were fenced."""
+        now = self.clock()
+        expired = self.leases.expired(now)
         for lease in expired:
+            self._fence(lease)
+        for lease in self.leases.fence_ended(now):
             self._end(lease)
         self.counters["expired_leases"] += len(expired)
         return len(expired)
 
-    def drop_client(self, client: int) -> None:
-        """The client's connection closed: end its leases (I8)."""
+    def identify(self, client: int, pid: int) -> None:
+        """The server learned the client's process (SO_PEERCRED, or ATTACH over TCP)."""
+        self.processes[client] = pid
+
+    def drop_client(self, client: int, watched: bool = True) -> None:
+        """The client's connection closed. Its process may still be copying (a client closes a connection that
+        timed out while its copies run), so its leases are fenced, not ended (I10); client_gone() ends them. A
+        holder the server cannot watch (`watched` False) gets one lease timeout to stop copying."""
+        until = math.inf if watched else self.clock() + self.leases.timeout
+        for lease in self.leases.of_client(client):
+            if lease.fenced:
+                lease.fence_until = min(lease.fence_until, until)
+            else:
+                self._fence(lease, until)
+        self.closed.add(client)
+        self._forget_if_done(client)
+
+    def client_gone(self, client: int) -> None:
+        """The client's process has exited: nothing it held can be touched any more; end all its leases (I8)."""
         for lease in self.leases.of_client(client):
             self._end(lease)
+        self.closed.add(client)
+        self._forget_if_done(client)
 
     # ---- internals -------------------------------------------------------------------------------------------
 
+    def _fence(self, lease: Lease, until: float = math.inf) -> None:
+        """Take a live lease's rights away but keep what it holds (leases.py): a write lease's reserved chunks leave
+        the index (their keys may be stored again by others) and their pages go into its quarantine."""
+        self.leases.fence(lease, until)
+        if lease.kind == WRITE:
+            for entry in lease.entries:
+                lease.quarantine.extend(self.index.drop_reserved(entry.key).pages)
+            lease.entries = []
+            self.pages_quarantined += len(lease.quarantine)
+
     def _end(self, lease: Lease) -> None:
-        """Read lease: unpin its chunks. Write lease: abort, freeing the reserved pages (nothing was published)."""
+        """Read lease: unpin its chunks (freeing condemned ones it held last). Write lease: abort, freeing its pages
+        (nothing was published): the reserved ones if live, the quarantined ones if fenced."""
         self.leases.pop(lease.id)
         if lease.kind == READ:
-            committed = self.index.committed  # a read lease's chunks stay committed while it lives (I3)
-            for key in lease.keys:
-                committed[key].readers -= 1
+            for entry in lease.entries:  # each is committed, or condemned while held (I3)
+                entry.readers -= 1
+                if self.index.unreferenced(entry):
+                    self.allocator.free(entry.pages)
+        elif lease.fenced:
+            self.allocator.free(lease.quarantine)
+            self.pages_quarantined -= len(lease.quarantine)
         else:
-            for key in lease.keys:
-                self.allocator.free(self.index.drop_reserved(key).pages)
+            for entry in lease.entries:
+                self.allocator.free(self.index.drop_reserved(entry.key).pages)
+        self._forget_if_done(lease.client)
+
+    def _forget_if_done(self, client: int) -> None:
+        """Forget a closed client once none of its leases is left."""
+        if client in self.closed and not self.leases.pages_of(client) and not self.leases.of_client(client):
+            self.closed.discard(client)
+            self.processes.pop(client, None)
 
     def _lease(self, client: int, lease_id: int, verb: str) -> Lease:
-        lease = self.leases.get(lease_id, client)
-        if lease is None:
-            raise RequestError(
-                ErrorCode.UNKNOWN_LEASE,
-                f"{verb}: unknown lease {lease_id}: it was never granted to this connection, already ended "
-                f"(committed or released), or expired after {self.leases.timeout:g} s",
-            )
-        return lease
+        """The lease, if `client` may end it: its own, or a fenced lease of another connection of the same process
+        (a client that reconnected confirms that its old connection's copies are over)."""
+        lease = self.leases.get(lease_id)
+        if lease is not None and (lease.client == client or (lease.fenced and self._same_process(lease.client, client))):
+            return lease
+        raise RequestError(
+            ErrorCode.UNKNOWN_LEASE,
+            f"{verb}: unknown lease {lease_id}: it was never granted to this connection (or its process), or has "
+            "already ended (committed or released)",
+        )
+
+    def _same_process(self, a: int, b: int) -> bool:
+        pid = self.processes.get(a)
+        return pid is not None and pid == self.processes.get(b)
 
     def _check_namespace(self, namespace: bytes) -> None:
         if namespace not in self.namespaces:
@@ -282,25 +380,29 @@ class PoolState:
     def stats(self) -> PoolStats:
         a, i = self.allocator, self.index
         c = self.counters
+        fenced, fenced_pages = self.leases.fenced_count()
         return PoolStats(
             capacity_bytes=a.num_pages * self.page_size, page_size=self.page_size, num_pages=a.num_pages,
-            pages_free=a.free_count, pages_used=i.pages_reserved + i.pages_committed,
-            pages_reserved=i.pages_reserved, pages_committed=i.pages_committed, pages_prepared=a.prepared,
+            pages_free=a.free_count, pages_used=a.prepared - a.free_count,
+            pages_reserved=i.pages_reserved, pages_committed=i.pages_committed,
+            pages_quarantined=self.pages_quarantined + i.pages_condemned, pages_prepared=a.prepared,
             ready=a.prepared == a.num_pages, chunks=len(i.committed), namespaces=len(self.namespaces),
             bytes_stored=i.bytes_stored, bytes_committed_total=c["bytes_committed_total"],
             hit_chunks=c["hit_chunks"], miss_chunks=c["miss_chunks"], hit_tokens=c["hit_tokens"],
             miss_tokens=c["miss_tokens"], verify_failures=c["verify_failures"], evictions=c["evictions"],
             evicted_bytes=c["evicted_bytes"], read_leases=self.leases.count(READ),
-            write_leases=self.leases.count(WRITE), expired_leases=c["expired_leases"], no_space=c["no_space"],
+            write_leases=self.leases.count(WRITE), expired_leases=c["expired_leases"], fenced_leases=fenced,
+            fenced_pages=fenced_pages, discarded_chunks=c["discarded_chunks"], no_space=c["no_space"],
             max_leased_pages_per_client=self.lease_limit, leased_pages_by_client=self.leases.pages_by_client(),
             lease_limited=c["lease_limited"],
         )
 
     def check_integrity(self) -> None:
-        """Raise IntegrityError unless: every page is exactly one of unprepared/free/reserved/committed, no page is
-        in two chunks, page counters match, every reserved chunk belongs to a live write lease, and every chunk's
-        reader count equals the read leases that hold it, and
-        every lease's page count equals the pages of its chunks (the per-client limit is computed from those)."""
+        """Raise IntegrityError unless: every prepared page is exactly one of free, in a reserved, committed or
+        condemned chunk, or in a fenced write lease's quarantine; page counters match; every reserved chunk belongs
+        to a live write lease; every condemned chunk is still read-leased; every chunk's reader count equals the read
+        leases (live or fenced) that hold it; and every lease's page count equals the pages it pins or holds (the
+        per-client limit is computed from those)."""
         a, i = self.allocator, self.index
         owner: dict[int, str] = {}
 
@@ -311,32 +413,44 @@ class PoolState:
 
         for page in a.free_pages():
             claim(page, "free")
-        for entry in list(i.reserved.values()) + list(i.committed.values()):
+        held = [*i.reserved.values(), *i.committed.values(), *i.condemned]
+        for entry in held:
             for page in entry.pages:
                 claim(page, f"chunk {entry.key.hex()[:8]}")
-        _require(len(owner) == a.prepared, f"{a.prepared - len(owner)} prepared pages are neither free nor in a chunk")
+        leases = list(self.leases)
+        for lease in leases:
+            for page in lease.quarantine:
+                claim(page, f"fenced lease {lease.id}")
+        _require(len(owner) == a.prepared, f"{a.prepared - len(owner)} prepared pages are neither free nor held")
         _require(i.pages_reserved == sum(len(e.pages) for e in i.reserved.values()), "pages_reserved counter is off")
         _require(i.pages_committed == sum(len(e.pages) for e in i.committed.values()), "pages_committed is off")
-        _require(a.free_count + i.pages_reserved + i.pages_committed + a.unprepared == a.num_pages, "page sum is off")
+        _require(i.pages_condemned == sum(len(e.pages) for e in i.condemned), "pages_condemned is off")
+        _require(self.pages_quarantined == sum(len(lease.quarantine) for lease in leases), "pages_quarantined is off")
+        _require(a.free_count + i.pages_reserved + i.pages_committed + i.pages_condemned + self.pages_quarantined
+                 + a.unprepared == a.num_pages, "page sum is off")
         _require(not set(i.reserved) & set(i.committed), "a key is both reserved and committed")
-        readers = Counter()
+        readers: Counter = Counter()
         writers: dict[bytes, int] = {}
-        by_client = Counter()
-        for lease in self.leases:
+        by_client: Counter = Counter()
+        for lease in leases:
             by_client[lease.client] += lease.pages
-            table = i.committed if lease.kind == READ else i.reserved
-            pinned = sum(len(table[k].pages) for k in lease.keys if k in table)
+            pinned = sum(len(e.pages) for e in lease.entries) + len(lease.quarantine)
             _require(lease.pages == pinned, f"lease {lease.id} counts {lease.pages} pages but pins {pinned}")
-            for key in lease.keys:
+            for entry in lease.entries:
                 if lease.kind == READ:
-                    _require(key in i.committed, f"read lease {lease.id} holds a chunk that is not committed")
-                    readers[key] += 1
+                    _require(i.committed.get(entry.key) is entry or entry in i.condemned,
+                             f"read lease {lease.id} holds a chunk that is neither committed nor condemned")
+                    readers[entry] += 1
                 else:
-                    writers[key] = lease.id
+                    _require(not lease.fenced, f"fenced write lease {lease.id} still owns reserved chunks")
+                    writers[entry.key] = lease.id
         _require(self.leases.pages_by_client() == {c: n for c, n in by_client.items() if n},
                  "the per-client leased-page counts disagree with the leases")
-        for key, entry in i.committed.items():
-            _require(entry.readers == readers[key], f"chunk {key.hex()[:8]} readers {entry.readers} != {readers[key]}")
+        for entry in [*i.committed.values(), *i.condemned]:
+            _require(entry.readers == readers[entry], f"chunk {entry.key.hex()[:8]} readers {entry.readers} != "
+                     f"{readers[entry]}")
+        for entry in i.condemned:
+            _require(entry.condemned and entry.readers > 0, f"condemned chunk {entry.key.hex()[:8]} has no reader")
         for key, entry in i.reserved.items():
             _require(writers.get(key) == entry.lease, f"reserved chunk {key.hex()[:8]} has no live write lease")
         _require(len(writers) == len(i.reserved), "a write lease holds a chunk that is not reserved")

@@ -18,15 +18,16 @@ class RequestStats(msgspec.Struct):
 
 
 class PoolStats(msgspec.Struct):
-    """A snapshot of the pool. Pages: free + reserved + committed + unprepared == num_pages."""
+    """A snapshot of the pool. Pages: free + reserved + committed + quarantined + unprepared == num_pages."""
 
     capacity_bytes: int = 0
     page_size: int = 0
     num_pages: int = 0
     pages_free: int = 0  # prepared and unused
-    pages_used: int = 0  # reserved + committed
+    pages_used: int = 0  # reserved + committed + quarantined
     pages_reserved: int = 0
     pages_committed: int = 0
+    pages_quarantined: int = 0  # kept from reuse: fenced write leases' pages, discarded chunks still being read (I10)
     pages_prepared: int = 0
     ready: bool = False  # every page prepared
     chunks: int = 0  # committed chunks
@@ -42,7 +43,10 @@ class PoolStats(msgspec.Struct):
     evicted_bytes: int = 0
     read_leases: int = 0
     write_leases: int = 0
-    expired_leases: int = 0
+    expired_leases: int = 0  # leases fenced at their deadline (since start)
+    fenced_leases: int = 0  # now: expired or orphaned by a closed connection, holder possibly still copying (I10)
+    fenced_pages: int = 0  # pages those leases keep from reuse (pinned chunks and quarantined pages)
+    discarded_chunks: int = 0  # removed by DISCARD after failing a reader's verification (I11, since start)
     no_space: int = 0  # RESERVE answers "no space"
     max_leased_pages_per_client: int = 0  # 0: no limit
     leased_pages_by_client: dict[int, int] = {}  # connection id -> pages its leases pin now

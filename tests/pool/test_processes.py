@@ -82,20 +82,24 @@ def test_killed_writer_loses_its_lease_and_pages(pool_server):
             hung.wait()
 
 
-def test_lease_timeout_ends_leases_of_a_silent_client():
+def test_lease_timeout_fences_a_silent_clients_lease_until_it_finishes():  # I8, I10
+    """Past its deadline a lease loses its rights, not its pages: they stay quarantined (the silent client may be
+    stalled mid-copy) until its COMMIT says the copy is over; that COMMIT is refused and frees them."""
     with start_pool("16MiB", page_size=PAGE, lease_timeout=1.0) as (address, _process):
         with PoolClient.connect(address) as silent, PoolClient.connect(address) as observer:
             silent.hello(NS)
             keys, tokens = prompt(2)
             r = silent.reserve(NS, new_chunks(keys, tokens, PAGE))
             deadline = time.monotonic() + 15
-            while observer.stats().write_leases and time.monotonic() < deadline:
+            while not observer.stats().fenced_leases and time.monotonic() < deadline:
                 time.sleep(0.1)
             stats = observer.stats()
-            assert stats.expired_leases == 1 and stats.pages_used == 0
+            assert stats.expired_leases == 1 and stats.pages_quarantined == stats.pages_used == 2
             try:
                 silent.commit(r.lease, [0, 0])
                 raise AssertionError("commit of an expired lease succeeded")
             except PoolError as error:
-                assert error.code == "unknown_lease" and "expired" in str(error)
+                assert error.code == "lease_expired" and "expired" in str(error)
+            stats = observer.stats()
+            assert stats.pages_used == stats.fenced_leases == stats.chunks == 0
             assert observer.health(deep=True)

@@ -118,31 +118,96 @@ def test_no_space_when_everything_is_leased_and_nothing_leaks():
     assert state.stats().evictions >= 1
 
 
-def test_leases_expire_and_end_with_their_client():  # I8
+def test_expired_leases_are_fenced_until_their_holder_confirms_or_is_gone():  # I8, I10
+    """Expiry takes a lease's rights (COMMIT refused) but not its pages: a stalled writer resumed after expiry can
+    only write pages nobody else was given. The pages come back when the holder confirms or its process is gone."""
     clock = Clock()
     state = make(num_pages=8, lease_timeout=5.0, clock=clock)
     keys, tokens = prompt(2)
     store(state, keys, tokens)
     read = state.lookup(1, NS, keys, tokens)
-    write = state.reserve(2, NS, new_chunks(*prompt(2, seed=5), PAGE))
+    wkeys, wtokens = prompt(2, seed=5)
+    write = state.reserve(2, NS, new_chunks(wkeys, wtokens, PAGE))
+    quarantined = [p for ref in write.chunks for p in ref.pages]
     clock.now = 4.9
     assert state.expire() == 0
     clock.now = 5.0
     assert state.expire() == 2
     state.check_integrity()
-    assert state.stats().pages_free == 6 and state.index.committed[keys[0]].readers == 0
-    with pytest.raises(RequestError):
+    stats = state.stats()
+    assert (stats.fenced_leases, stats.fenced_pages, stats.pages_quarantined) == (2, 4, 2)
+    assert stats.pages_free == 4 and state.index.committed[keys[0]].readers == 1  # still pinned: not evictable
+    assert state.clear() == 0
+    # Another writer stores the same chunks: it gets the keys (no longer reserved) but never the fenced pages.
+    again = state.reserve(3, NS, new_chunks(wkeys, wtokens, PAGE))
+    assert not {p for ref in again.chunks for p in ref.pages} & set(quarantined)
+    state.commit(3, again.lease, [1, 2])
+    # The stalled writer finishes and COMMITs: refused (nothing published over the new chunks), pages freed.
+    with pytest.raises(RequestError) as error:
         state.commit(2, write.lease, [0, 0])
+    assert error.value.code == ErrorCode.LEASE_EXPIRED
+    assert state.index.committed[wkeys[0]].checksum == 1
+    assert state.stats().pages_quarantined == 0 and state.stats().pages_free == 4
+    state.client_gone(1)  # the reader's process exited: its fenced pin ends
+    assert state.index.committed[keys[0]].readers == 0 and state.stats().fenced_leases == 0
+    state.check_integrity()
+
+
+def test_a_closed_connection_fences_its_leases_until_its_process_exits():  # I8, I10
+    clock = Clock()
+    state = make(num_pages=8, lease_timeout=5.0, clock=clock)
+    keys, tokens = prompt(2)
+    store(state, keys, tokens)
+    state.identify(3, 4242)
     state.lookup(3, NS, keys, tokens)
     state.reserve(3, NS, new_chunks(*prompt(1, seed=6), PAGE))
     state.drop_client(3)
+    clock.now = 100.0
+    state.expire()
+    assert state.stats().fenced_leases == 2 and state.stats().pages_free == 5  # watched holder: no time limit
+    state.client_gone(3)
+    assert state.stats().read_leases == state.stats().write_leases == 0 and state.stats().pages_free == 6
+    assert state.processes == {} and state.closed == set()
     state.check_integrity()
-    assert state.stats().read_leases == state.stats().write_leases == 0
+
+
+def test_a_holder_the_pool_cannot_watch_gets_one_lease_timeout_after_its_connection_closed():
+    clock = Clock()
+    state = make(num_pages=8, lease_timeout=5.0, clock=clock)
+    state.reserve(3, NS, new_chunks(*prompt(1, seed=6), PAGE))
+    state.drop_client(3, watched=False)
+    clock.now = 4.9
+    state.expire()
+    assert state.stats().fenced_leases == 1
+    clock.now = 5.0
+    state.expire()
+    assert state.stats().fenced_leases == 0 and state.stats().pages_free == 8
+    state.check_integrity()
+
+
+def test_a_fenced_lease_can_be_ended_from_another_connection_of_the_same_process_only():
+    """A client that reconnected after a timeout RELEASEs (or COMMITs) its old connection's leases once their
+    copies are over; no other process may, and a live lease of another connection stays its own."""
+    state = make(num_pages=8)
+    keys, tokens = prompt(2)
+    store(state, keys, tokens)
+    for client, pid in ((1, 100), (2, 100), (3, 200)):
+        state.identify(client, pid)
+    read = state.lookup(1, NS, keys, tokens)
+    with pytest.raises(RequestError):
+        state.release(2, read.lease)  # live: only its own connection ends it
+    state.drop_client(1)
+    with pytest.raises(RequestError):
+        state.release(3, read.lease)  # another process
+    state.release(2, read.lease)
+    assert state.stats().fenced_leases == 0 and state.index.committed[keys[0]].readers == 0
+    assert 1 not in state.processes
+    state.check_integrity()
 
 
 def test_leased_pages_per_client_follow_every_way_a_lease_ends():
     """The per-client count the lease limit reads (kept by the lease table, not recomputed) goes up with each read
-    and write lease and back to zero by RELEASE, COMMIT, expiry and disconnect."""
+    and write lease, includes fenced leases, and goes back to zero by RELEASE, COMMIT and the holder's exit."""
     clock = Clock()
     state = make(num_pages=16, lease_timeout=5.0, clock=clock)
     keys, tokens = prompt(2)
@@ -159,17 +224,36 @@ def test_leased_pages_per_client_follow_every_way_a_lease_ends():
     state.lookup(3, NS, keys, tokens)
     clock.now = 5.0
     state.expire()
-    assert leased(2) == leased(3) == 0
-    state.lookup(3, NS, keys, tokens)
+    assert leased(2) == leased(3) == 4  # fenced leases still count against their client
+    state.client_gone(2)
     state.reserve(3, NS, new_chunks(*prompt(1, seed=6), PAGE))
-    assert leased(3) == 5
+    assert leased(2) == 0 and leased(3) == 5
     state.drop_client(3)
+    state.client_gone(3)
     assert leased(3) == 0 and state.leases.pages_by_client() == {}
     state.check_integrity()
 
 
+def test_discard_removes_a_chunk_at_once_and_frees_its_pages_with_its_last_reader():  # I11
+    state = make(num_pages=8)
+    keys, tokens = prompt(2)
+    store(state, keys, tokens)
+    read = state.lookup(1, NS, keys, tokens)
+    assert state.discard(NS, [keys[1], b"\0" * 16]) == 1
+    assert state.lookup(2, NS, keys, tokens).num_chunks == 1  # gone for every later LOOKUP
+    stats = state.stats()
+    assert (stats.discarded_chunks, stats.pages_quarantined, stats.chunks) == (1, 1, 1)
+    store(state, keys, tokens)  # the next store replaces it, on other pages (the reader may still copy the old)
+    assert state.index.committed[keys[1]].pages != read.refs(keys)[1].pages
+    state.release(1, read.lease)
+    state.check_integrity()
+    assert state.stats().pages_quarantined == 0
+    assert state.discard(NS, [keys[0]]) == 1 and state.stats().pages_free == 8 - 1 - 1  # unread: freed at once
+
+
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["reserve", "commit", "abort", "lookup", "release", "expire", "clear"]),
+@given(st.lists(st.tuples(st.sampled_from(["reserve", "commit", "abort", "lookup", "release", "expire", "clear",
+                                           "drop", "gone", "discard"]),
                           st.integers(0, 30), st.integers(1, 5 * PAGE)), max_size=60))
 def test_random_churn_never_fragments_or_leaks(ops):
     """Any sequence of requests keeps the books exact, and whenever RESERVE fails for lack of space, the free pages
@@ -188,7 +272,11 @@ def test_random_churn_never_fragments_or_leaks(ops):
                 assert state.allocator.free_count < (1 + n % 4) * -(-nbytes // PAGE)
         elif op in ("commit", "abort") and writes:
             lease = writes[n % len(writes)]
-            if op == "commit":
+            if op == "commit" and lease.fenced:
+                with pytest.raises(RequestError) as error:
+                    state.commit(lease.client, lease.id, [])
+                assert error.value.code == ErrorCode.LEASE_EXPIRED
+            elif op == "commit":
                 state.commit(lease.client, lease.id, [0] * len(lease.keys))
             else:
                 state.release(lease.client, lease.id)
@@ -202,6 +290,12 @@ def test_random_churn_never_fragments_or_leaks(ops):
             state.expire()
         elif op == "clear":
             state.clear()
+        elif op == "drop":
+            state.drop_client(n % 3, watched=bool(n % 2))
+        elif op == "gone":
+            state.client_gone(n % 3)
+        elif op == "discard":
+            state.discard(NS, keys)
         state.check_integrity()
 
 

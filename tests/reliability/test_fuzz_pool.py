@@ -59,7 +59,9 @@ ops = st.one_of(
     st.tuples(st.just("release newest"), clients),
     st.tuples(st.just("release"), clients, lease_ids),
     st.tuples(st.just("time"), st.floats(0, 20)),
-    st.tuples(st.just("drop"), clients),
+    st.tuples(st.just("drop"), clients, st.booleans()),
+    st.tuples(st.just("gone"), clients),
+    st.tuples(st.just("discard"), mostly_known, st.lists(keys, max_size=4)),
     st.tuples(st.just("prepare"), st.integers(0, 16)),
     st.tuples(st.just("clear")),
 )
@@ -94,8 +96,12 @@ def apply(state: PoolState, clock: Clock, op: tuple) -> None:
         case ("time", dt):
             clock.now += dt
             state.expire()
-        case ("drop", client):
-            state.drop_client(client)
+        case ("drop", client, watched):
+            state.drop_client(client, watched)
+        case ("gone", client):
+            state.client_gone(client)
+        case ("discard", ns, chosen):
+            state.discard(ns, chosen)
         case ("prepare", upto):
             state.allocator.add_prepared(max(upto, state.allocator.prepared))
         case ("clear",):
@@ -140,8 +146,9 @@ def test_random_request_sequences_keep_pool_state_consistent(sequence, lease_lim
             apply(state, clock, op)
         except RequestError as error:
             assert error.message and error.code
-            # a refused request allocates nothing; only a RESERVE refused for space may have evicted to try
-            if error.code == ErrorCode.NO_SPACE:
+            # a refused request allocates nothing; only a RESERVE refused for space may have evicted to try, and a
+            # COMMIT of a fenced lease frees its quarantined pages
+            if error.code in (ErrorCode.NO_SPACE, ErrorCode.LEASE_EXPIRED):
                 assert state.allocator.free_count >= pages_before
             else:
                 assert state.allocator.free_count == pages_before
@@ -150,8 +157,11 @@ def test_random_request_sequences_keep_pool_state_consistent(sequence, lease_lim
             assert all(n <= lease_limit for n in state.leases.pages_by_client().values())
     for client in (1, 2):
         state.drop_client(client)
+        state.check_integrity()
+        state.client_gone(client)
     state.check_integrity()
-    assert state.stats().pages_reserved == 0 and len(state.leases) == 0  # nothing outlives its clients (I8)
+    stats = state.stats()
+    assert stats.pages_reserved == stats.pages_quarantined == len(state.leases) == 0  # nothing outlives its clients (I8)
 
 
 # ---- the server's handler: bytes in, exactly one reply out -------------------------------------------------------

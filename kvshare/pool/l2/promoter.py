@@ -93,7 +93,7 @@ class Promoter:
             return False
         if not reply.lease:
             return True
-        self.state.leases.keep(self.state.leases.get(reply.lease, self.client))  # see the module docstring
+        self.state.leases.keep(self.state.leases.get(reply.lease))  # see the module docstring
         chosen = [(ref, payload, h.checksum) for ref, (h, payload) in zip(reply.chunks, found) if ref is not None]
         committed = False
         try:

@@ -80,12 +80,8 @@ class L2Tier:
 
     def _pin(self, keys: list[bytes]) -> int:
         """An internal read lease on committed chunks, without deadline: it ends only by _unpin."""
-        entries = [self.state.index.committed[key] for key in keys]
-        pages = sum(len(e.pages) for e in entries)
-        lease = self.state.leases.new(READ, INTERNAL_CLIENT, keys, self.state.clock(), pages)
+        lease = self.state.pin(INTERNAL_CLIENT, [self.state.index.committed[key] for key in keys])
         self.state.leases.keep(lease)
-        for entry in entries:
-            entry.readers += 1
         return lease.id
 
     def _unpin(self, lease_ids: list[int]) -> None:
