@@ -33,6 +33,10 @@ def register(cli) -> None:
     serve.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
+    serve.add_argument("--model-id", default="",
+                       help="a name for these exact weights (e.g. a repository revision), added to the model identity "
+                            "that decides which replicas share KV; the weights' bytes are always hashed too "
+                            "(default: none)")
     serve.add_argument("--threads", type=int, default=None, help="torch CPU threads (pin both arms of a benchmark)")
     serve.set_defaults(run=run_serve)
 
@@ -53,7 +57,7 @@ def engine_config(args: argparse.Namespace):
         num_blocks=args.num_blocks,
         kv_cache_memory=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
         max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk, max_num_seqs=args.max_num_seqs,
-        seed=args.seed, served_model_name=args.served_model_name,
+        seed=args.seed, served_model_name=args.served_model_name, model_id=args.model_id,
     )
 
 

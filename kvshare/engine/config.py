@@ -113,6 +113,7 @@ class EngineConfig:
     max_num_seqs: int = 64  # requests decoded together in one step
     seed: int = 0  # dummy weights' seed
     served_model_name: str | None = None
+    model_id: str = ""  # added to the model identity (e.g. a repository revision), never instead of the weights' hash
 
     def __post_init__(self):
         if self.load_format not in ("auto", "dummy"):

@@ -30,7 +30,8 @@ class ModelRunner:
         self.model_config = model_config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
-        self.model = load_model(config.model, config.load_format, self.device, self.dtype, config.seed)
+        loaded = load_model(config.model, config.load_format, self.device, self.dtype, config.seed, config.model_id)
+        self.model, self.model_fingerprint = loaded.model, loaded.fingerprint
         self.rotary = Rotary(model_config, self.device, self.dtype)
         self.num_blocks = self._num_blocks()
         shape = (self.num_blocks, 2, config.block_size, model_config.num_kv_heads, model_config.head_dim)

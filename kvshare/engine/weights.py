@@ -1,14 +1,13 @@
-"""Model weights: safetensors shards from a Hugging Face folder, or seeded dummy weights; and the model fingerprint.
+"""Model weights: safetensors shards from a Hugging Face folder, or seeded dummy weights; and the model identity.
 
 Dummy weights: each tensor is drawn from its own generator seeded with xxh3(seed, tensor name), directly on the
-target device and dtype, so every replica (and every process) built with the same seed holds identical weights
-without reading a checkpoint. Norm weights are ones; everything else N(0, 0.02).
+target device and dtype, so every replica (and every process) built with the same seed on the same kind of device
+holds identical weights without reading a checkpoint. Norm weights are ones; everything else N(0, 0.02).
 """
 
 from __future__ import annotations
 
-import json
-import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,7 +16,7 @@ from safetensors import safe_open
 
 from kvshare.engine.config import ModelConfig
 from kvshare.engine.model import CausalLM
-from kvshare.keys import fingerprint
+from kvshare.identity import TensorDigests, generator_identity, model_fingerprint
 
 DUMMY_STD = 0.02
 
@@ -44,53 +43,57 @@ def dummy_state_dict(config: ModelConfig, seed: int, device, dtype) -> dict[str,
     return {name: dummy_tensor(name, shape, seed, torch.device(device), dtype) for name, shape in shapes.items()}
 
 
-def read_safetensors(model_dir: Path, names: set[str], device, dtype) -> dict[str, torch.Tensor]:
-    """The tensors named `names` from the folder's shards, cast to dtype on device; other tensors are skipped."""
+def read_safetensors(model_dir: Path, names: set[str], device, dtype,
+                     digests: TensorDigests | None = None) -> dict[str, torch.Tensor]:
+    """The tensors named `names` from the folder's shards, cast to dtype on device; other tensors are skipped.
+
+    Each tensor is read on the host first; with `digests`, its raw bytes are handed to the hashing threads there,
+    before the cast or the move, so the identity is of the checkpoint's own bytes and costs no second read."""
     state = {}
     for path in shard_files(model_dir):
-        with safe_open(str(path), framework="pt", device=str(device)) as f:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name in names:
-                    state[name] = f.get_tensor(name).to(dtype)
+                    host = f.get_tensor(name)
+                    if digests is not None:
+                        digests.add(name, host)
+                    state[name] = host.to(device).to(dtype)
     return state
 
 
-def load_model(model_dir: str | Path, load_format: str, device, dtype, seed: int = 0) -> CausalLM:
-    """Build the model of `model_dir`'s config.json with real ("auto") or dummy weights, in eval mode."""
-    model_dir = Path(model_dir)
+@dataclass(frozen=True)
+class LoadedModel:
+    model: CausalLM
+    fingerprint: str  # the model identity (kvshare.identity): replicas share KV only when fingerprints match
+
+
+def load_model(model_dir: str | Path, load_format: str, device, dtype, seed: int = 0,
+               model_id: str = "") -> LoadedModel:
+    """Build the model of `model_dir`'s config.json with real ("auto") or dummy weights, in eval mode, and its
+    identity: config.json + (auto: every loaded tensor's name, dtype, shape and bytes; dummy: the seed, dtype and
+    generator, see dummy_weights_identity) + `model_id` (added, never instead)."""
+    model_dir, device = Path(model_dir), torch.device(device)
+    config_bytes = (model_dir / "config.json").read_bytes()
     config = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
         model = CausalLM(config)
     names = {name for name, _ in model.named_parameters()}
     if load_format == "dummy":
         state = dummy_state_dict(config, seed, device, dtype)
+        weights = dummy_weights_identity(seed, dtype, device)
     else:
-        state = read_safetensors(model_dir, names, device, dtype)
+        with TensorDigests() as digests:
+            state = read_safetensors(model_dir, names, device, dtype, digests)
+            weights = digests.hexdigest()
     missing = sorted(names - state.keys())
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {missing[:3]}: "
                          "is config.json the checkpoint's own?")
     model.load_state_dict(state, assign=True, strict=True)
-    return model.eval().requires_grad_(False)
+    return LoadedModel(model.eval().requires_grad_(False), model_fingerprint(config_bytes, weights, model_id))
 
 
-def safetensors_header(path: Path) -> bytes:
-    """The JSON header of a safetensors file (names, dtypes, shapes, offsets): what identifies it without hashing
-    gigabytes of weights."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        return f.read(length)
-
-
-def model_fingerprint(model_dir: str | Path, load_format: str, seed: int = 0) -> str:
-    """xxh3 identity of the weights a replica runs: config.json + load format + (dummy: seed; else each shard's name,
-    size and header). Replicas share KV only when fingerprints match."""
-    model_dir = Path(model_dir)
-    config_bytes = (model_dir / "config.json").read_bytes()
-    json.loads(config_bytes)  # a clear error for a broken config before it becomes a fingerprint
-    if load_format == "dummy":
-        return fingerprint(config_bytes, "dummy", str(seed))
-    parts: list[bytes | str] = [config_bytes, "auto"]
-    for path in shard_files(model_dir):
-        parts += [path.name, str(path.stat().st_size), safetensors_header(path)]
-    return fingerprint(*parts)
+def dummy_weights_identity(seed: int, dtype: torch.dtype, device: torch.device) -> str:
+    """Dummy weights are drawn on the target device: the same seed gives other numbers on another kind of generator
+    (CPU vs CUDA, and more: kvshare.identity.generator_identity), so the identity names it beside seed and dtype."""
+    return f"dummy:seed={seed}/{str(dtype).removeprefix('torch.')}/{generator_identity(torch.device(device))}"

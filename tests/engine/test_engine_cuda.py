@@ -26,10 +26,10 @@ def last_logits(model, tokens, device, dtype, split=None):
 
 def test_cuda_matches_cpu_and_cached_prefix(tiny_model):
     tokens = torch.randint(3, 1000, (700,), generator=torch.Generator().manual_seed(1))
-    cpu = last_logits(load_model(tiny_model, "auto", "cpu", torch.float32), tokens, "cpu", torch.float32)
-    gpu = last_logits(load_model(tiny_model, "auto", "cuda", torch.float32), tokens, "cuda", torch.float32)
+    cpu = last_logits(load_model(tiny_model, "auto", "cpu", torch.float32).model, tokens, "cpu", torch.float32)
+    gpu = last_logits(load_model(tiny_model, "auto", "cuda", torch.float32).model, tokens, "cuda", torch.float32)
     torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-3, rtol=1e-3)
-    bf16 = load_model(tiny_model, "auto", "cuda", torch.bfloat16)
+    bf16 = load_model(tiny_model, "auto", "cuda", torch.bfloat16).model
     whole = last_logits(bf16, tokens, "cuda", torch.bfloat16)
     split = last_logits(bf16, tokens, "cuda", torch.bfloat16, split=512)
     long_tail = last_logits(bf16, tokens, "cuda", torch.bfloat16, split=48)

@@ -10,14 +10,14 @@ from kvshare.cli import main
 from kvshare.engine.config import ModelConfig
 from kvshare.engine.model import Rotary
 from kvshare.engine.tokenizer import Tokenizer
-from kvshare.engine.weights import load_model, model_fingerprint
+from kvshare.engine.weights import load_model
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there, 42 cats!"}]
 
 
 def test_folder_loads_in_engine_and_transformers(tiny_model):
     transformers = pytest.importorskip("transformers")
-    ours = load_model(tiny_model, "auto", "cpu", torch.float32)
+    ours = load_model(tiny_model, "auto", "cpu", torch.float32).model
     reference = transformers.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     tokens = torch.arange(3, 40)
     caches = [torch.zeros(8, 2, 16, 2, 32) for _ in range(2)]
@@ -40,16 +40,14 @@ def test_folder_loads_in_engine_and_transformers(tiny_model):
 
 
 def test_dummy_weights_are_seeded_per_tensor(tiny_model):
-    a = load_model(tiny_model, "dummy", "cpu", torch.bfloat16, seed=1).state_dict()
-    b = load_model(tiny_model, "dummy", "cpu", torch.bfloat16, seed=1).state_dict()
-    c = load_model(tiny_model, "dummy", "cpu", torch.bfloat16, seed=2).state_dict()
+    loaded = [load_model(tiny_model, "dummy", "cpu", torch.bfloat16, seed=seed) for seed in (1, 1, 2)]
+    a, b, c = (one.model.state_dict() for one in loaded)
     name = "model.layers.1.self_attn.k_proj.weight"
     assert all(torch.equal(a[k], b[k]) for k in a) and not torch.equal(a[name], c[name])
     assert a[name].dtype == torch.bfloat16 and 0.015 < a[name].float().std() < 0.025
     assert torch.equal(a["model.norm.weight"], torch.ones_like(a["model.norm.weight"]))
-    prints = {model_fingerprint(tiny_model, "dummy", 1), model_fingerprint(tiny_model, "dummy", 2),
-              model_fingerprint(tiny_model, "auto")}
-    assert len(prints) == 3 and model_fingerprint(tiny_model, "dummy", 1) in prints
+    prints = [one.fingerprint for one in loaded] + [load_model(tiny_model, "auto", "cpu", torch.bfloat16).fingerprint]
+    assert prints[0] == prints[1] and len(set(prints)) == 3
 
 
 def test_cli_writes_config_only_32b_preset(tmp_path):

@@ -43,7 +43,7 @@ def make_cache(config, num_blocks=64, block_size=4):
 @pytest.mark.parametrize("kind", list(ARCHS))
 def test_logits_match_transformers(kind, tmp_path):
     reference = hf_model(kind, tmp_path)
-    model = load_model(tmp_path, "auto", "cpu", torch.float32)
+    model = load_model(tmp_path, "auto", "cpu", torch.float32).model
     tokens = torch.randint(0, BASE["vocab_size"], (37,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = reference(tokens[None]).logits[0]  # (T, vocab)
@@ -68,7 +68,7 @@ def test_logits_match_transformers(kind, tmp_path):
 
 def test_batched_decode_matches_single(tmp_path):
     hf_model("qwen2", tmp_path)
-    model = load_model(tmp_path, "auto", "cpu", torch.float32)
+    model = load_model(tmp_path, "auto", "cpu", torch.float32).model
     rotary = Rotary(model.config, torch.device("cpu"), torch.float32)
     caches = make_cache(model.config)
     tables = [torch.arange(0, 32), torch.arange(32, 64)]
