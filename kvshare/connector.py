@@ -48,6 +48,8 @@ class PoolHit(msgspec.Struct, frozen=True):
     pages: list[list[int]]  # per chunk
     nbytes: list[int]
     checksums: list[int]
+    namespace: bytes = b""  # the namespace key and the chunks' keys: what a DISCARD of corrupt chunks names
+    keys: list[bytes] = []
 
     @property
     def num_chunks(self) -> int:
@@ -183,7 +185,8 @@ class ConnectorCore:
                 self._link.call("release", lambda c: c.release(lookup.lease))
             return None
         chunks = lookup.chunks[first:]
-        hit = PoolHit(instance, lookup.lease, first, [list(c.pages) for c in chunks], [c.nbytes for c in chunks], [c.checksum for c in chunks])
+        hit = PoolHit(instance, lookup.lease, first, [list(c.pages) for c in chunks], [c.nbytes for c in chunks],
+                      [c.checksum for c in chunks], namespace.key, [c.key for c in chunks])
         self.stats.lookup_hit_tokens += (first + hit.num_chunks) * self.chunk_tokens - num_computed
         return hit
 
@@ -252,16 +255,28 @@ class ConnectorCore:
             jobs.append(LoadJob(pages=pages, block_ids=blocks))
         handle = transfer.load(jobs)
         try:
-            bad = [pages for pages, want, got in zip(hit.pages, hit.checksums, verifying) if got.result() != want]
+            bad = [i for i, (want, got) in enumerate(zip(hit.checksums, verifying)) if got.result() != want]
         finally:
             # wait(), also when hashing raised: the lease is released right after, so the host must know the page
             # reads are finished (I3).
             handle.wait()
         if bad:
             self.stats.errors += 1
-            log.error("%d pool chunk(s) failed their checksum; recomputing (pages %s)", len(bad), bad[0][:4])
+            log.error("%d pool chunk(s) failed their checksum; recomputing and discarding them (pages %s)", len(bad),
+                      hit.pages[bad[0]][:4])
+            self._discard(hit, bad)
             return False
         return True
+
+    def _discard(self, hit: PoolHit, corrupt: list[int]) -> None:
+        """Remove chunks whose bytes failed verification from the pool (I11): otherwise they stay committed and every
+        later LOOKUP of the prefix pays a load, a hash and a recompute. Sent after the load's copies are over; the
+        pool frees the pages when the last read lease on them ends, so a reader still copying is never overwritten."""
+        self.stats.corrupt_chunks += len(corrupt)
+        keys = [hit.keys[i] for i in corrupt]
+        removed = self._link.call("discard", lambda c: c.discard(hit.namespace, keys)
+                                  if _instance_of(c) == hit.pool_instance else 0)
+        self.stats.discarded_chunks += removed or 0
 
     def store(self, token_ids: Sequence[int], block_ids: Sequence[int], num_stored: int, salt: str = "") -> StoreHandle | None:
         """Store the full chunks of token_ids beyond the first `num_stored` tokens. Never raises."""

@@ -11,7 +11,7 @@ from typing import Callable, Protocol, Sequence
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Greedy when temperature == 0; otherwise temperature/top-p sampling, reproducible when `seed` is set."""
+    """Greedy when temperature == 0; otherwise temperature/top-k/top-p sampling, reproducible when `seed` is set."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -19,6 +19,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    top_k: int = 0  # sample among the k most likely tokens; 0 (or -1): all of them
 
 
 @dataclass(frozen=True)
@@ -51,9 +52,19 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop" | "length" | "error"
     usage: Usage | None = None
     error: str | None = None
+    request_caused: bool = False  # with error: this request failed alone (others went on); another replica would too
 
 
 EventCallback = Callable[[TokenEvent], None]
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What an engine holds right now (read from another thread: each count may be a step old, never torn)."""
+
+    requests: int  # submitted and not finished: queued, waiting or running
+    blocks_used: int  # KV blocks held by requests or by stores still reading them
+    blocks_total: int
 
 
 class EngineProtocol(Protocol):
@@ -123,4 +134,6 @@ class ConnectorStats:
     store_seconds: float = 0.0
     store_skipped_chunks: int = 0  # already in the pool
     store_limited_chunks: int = 0  # beyond what the pool's per-client lease limit lets one RESERVE hold
+    corrupt_chunks: int = 0  # loaded chunks whose bytes failed their checksum (recomputed, then DISCARDed: I11)
+    discarded_chunks: int = 0  # of those, removed from the pool so that the next store replaces them
     errors: int = 0  # pool errors of any kind, each turned into a miss

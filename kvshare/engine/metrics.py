@@ -32,6 +32,8 @@ CONNECTOR_STAT_HELP = {
     "store_seconds": "seconds spent storing KV into the pool",
     "store_skipped_chunks": "chunks not stored because the pool already held them",
     "store_limited_chunks": "chunks not stored because one prompt's KV exceeds the pool's per-client lease limit",
+    "corrupt_chunks": "loaded chunks whose bytes failed their checksum (recomputed)",
+    "discarded_chunks": "corrupt chunks removed from the pool so that the next store replaces them",
     "errors": "pool errors of any kind, each turned into a cache miss",
 }
 

@@ -137,7 +137,7 @@ def test_a_pool_that_dies_or_restarts_changes_no_output(engines):
 def test_corrupted_pool_bytes_are_recomputed_only_when_checksums_are_verified(engines, verify):
     """Flip bytes in every page after A stored: a verifying B recomputes (the cache-OFF tokens, no pool hit); with
     verify_checksums=False (`kvshare serve --no-verify-checksums`) B trusts and loads them."""
-    from kvshare.pool.client import PoolClient
+    from kvshare.pool.client import PoolClient, read_stats
 
     off, a, b = engines
     prompt = prompt_of(100, seed=5)
@@ -150,8 +150,16 @@ def test_corrupted_pool_bytes_are_recomputed_only_when_checksums_are_verified(en
         with PoolClient.connect(address) as client:
             client.torch_pages().view(-1)[::512] += 1
         tokens_b, usage_b = run(b, prompt, rid="b")
+        b.connector.core.flush()
+        pool = read_stats(address)
     if verify:
         assert usage_b.pool_hit_tokens == 0 and tokens_b == reference
         assert b.connector.stats.errors >= 1
+        # I11: the corrupt chunks left the pool after that one failed load, so B's own store of the recomputed
+        # prompt replaced them (without DISCARD its RESERVE would skip them as already stored).
+        assert b.connector.stats.corrupt_chunks == b.connector.stats.discarded_chunks == 3
+        assert pool.discarded_chunks == 3 and pool.chunks == 3
+        assert b.connector.stats.stores == 3 and b.connector.stats.store_skipped_chunks == 0
     else:
         assert usage_b.pool_hit_tokens == 96
+        assert pool.discarded_chunks == 0

@@ -61,7 +61,8 @@ def kv_transfer_config(pool: str) -> str:
 class Replica:
     """One `vllm serve` subprocess (its own process group, so stopping it stops its engine and worker too)."""
 
-    def __init__(self, name: str, model: Path, log_dir: Path, pool: str | None, extra_args: tuple[str, ...] = ()):
+    def __init__(self, name: str, model: Path, log_dir: Path, pool: str | None, extra_args: tuple[str, ...] = (),
+                 cwd: Path = ROOT):
         self.name, self.model, self.port = name, str(model), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"vllm-{name}.log"
@@ -75,7 +76,7 @@ class Replica:
             command += ["--kv-transfer-config", kv_transfer_config(pool)]
         command += extra_args
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
                                             env={**os.environ, **VLLM_ENV}, start_new_session=True)
 
     def wait_ready(self, deadline: float) -> None:
@@ -201,8 +202,10 @@ def test_corrupted_chunk_is_recomputed(deployment):
     with open(deployment.arena, "r+b") as arena:  # scribble over every page, stored chunks included
         for _ in range(0, os.path.getsize(deployment.arena), step):
             arena.write(noise.randbytes(step))
+    discarded_before = deployment.pool_stats().discarded_chunks
     assert deployment.b.complete(prompt) == from_a == deployment.reference.complete(prompt)
     assert "checksum" in deployment.b.log_path.read_text(errors="replace")
+    assert deployment.pool_stats().discarded_chunks > discarded_before  # I11: gone after one failed load
 
 
 def test_replicas_serve_correctly_with_the_pool_down(deployment):
