@@ -9,9 +9,11 @@ arena takes about a minute to prepare).
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +28,7 @@ from kvshare.units import format_size
 log = logging.getLogger(__name__)
 FILE_MODE = 0o660  # owner and group only: the arena holds other replicas' KV data
 SEGMENT = 64 << 20  # preparation unit: small enough for smooth progress, large enough to amortise the syscall
+DEFAULT_NAME = re.compile(r"kvshare-(\d+)\.arena")  # PoolConfig.arena_path's default: kvshare-<pool pid>.arena
 
 
 class ArenaError(Exception):
@@ -51,6 +54,9 @@ class Arena:
         except OSError as error:
             raise ArenaError(f"cannot create arena file {path}: {error.strerror}; pass another --arena") from None
         os.fchmod(fd, FILE_MODE)  # the umask may have removed group bits
+        # Held for the pool's life (the lock goes with the last fd, i.e. with the process, however it ends): an arena
+        # nobody holds locked belongs to a dead pool (remove_stale_arenas).
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         try:
             os.ftruncate(fd, size)
         except OSError as error:
@@ -102,6 +108,48 @@ class Arena:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+def remove_stale_arenas(directory: str) -> list[tuple[str, int]]:
+    """Remove arenas that dead pools of this user left in `directory` (a pool killed with SIGKILL cannot remove its
+    own); returns (path, bytes) of each. Only files named as pools name them by default (kvshare-<pid>.arena), owned
+    by this user, locked by nobody (every live pool holds its arena's lock) and whose pid is not running."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        match = DEFAULT_NAME.fullmatch(name)
+        path = os.path.join(directory, name)
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            info = os.fstat(fd)
+            if info.st_uid != os.getuid():
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if a live pool holds it
+            os.unlink(path)
+            removed.append((path, info.st_blocks * 512))
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 def check_memory(path: str, size: int) -> None:

@@ -51,8 +51,11 @@ def register(cli) -> None:
 
     check = cli.command("check", "full-pool allocation check: reserve every page, write, read back, verify", group="pool")
     check.add_argument("--size", default="1GiB", help="size of the pool to start for the check (default 1GiB)")
-    check.add_argument("--socket", default="", help="check a running pool instead (uses its free pages only)")
-    check.add_argument("--page-size", default="2MiB")
+    check.add_argument("--socket", default="", help="check a running pool instead: read-only, its free pages only "
+                       "(committed chunks are never touched)")
+    check.add_argument("--destructive", action="store_true", help="with --socket: CLEAR the pool first (drops every "
+                       "unleased chunk) so that every page is checked")
+    check.add_argument("--page-size", default="2MiB", help="page size of the pool to start (default 2MiB)")
     check.set_defaults(run=_check)
 
     bench = cli.command("bench", "pool vs memcpy vs Redis: store/retrieve GB/s, LOOKUP latency, start-up", group="pool")
@@ -108,7 +111,11 @@ def _stats(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from kvshare.pool.check import run_check
 
-    return run_check(size=args.size, socket=args.socket, page_size=args.page_size)
+    if args.destructive and not args.socket:
+        print("kvshare pool check: --destructive needs --socket (a pool started for the check is checked whole)",
+              file=sys.stderr)
+        return 2
+    return run_check(size=args.size, socket=args.socket, page_size=args.page_size, destructive=args.destructive)
 
 
 def _bench(args: argparse.Namespace) -> int:

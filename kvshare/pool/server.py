@@ -23,7 +23,7 @@ from typing import Awaitable
 import msgspec
 
 from kvshare.pool import protocol as p
-from kvshare.pool.arena import Arena, prepare_rate
+from kvshare.pool.arena import Arena, prepare_rate, remove_stale_arenas
 from kvshare.pool.config import PoolConfig
 from kvshare.pool.connection import ClientProtocol, CloseConnection, Connection
 from kvshare.pool.holders import ProcessWatch, peer_pid
@@ -314,6 +314,8 @@ def serve(config: PoolConfig) -> int:
     """Create the arena, serve until SIGTERM/SIGINT, then remove socket and arena (unless config.keep)."""
     prepare_socket(config.socket)
     keep_freed_memory()
+    for path, nbytes in remove_stale_arenas(os.path.dirname(config.arena_path)):
+        announce(f"removed {path} ({format_size(nbytes)} of memory), the arena of a pool that died without removing it")
     arena = Arena.create(config.arena_path, config.num_pages * config.page_size)
     try:
         set_group(arena.path, config.group)

@@ -13,9 +13,9 @@ import time
 import pytest
 
 from kvshare.pool.check import check_pool
-from kvshare.pool.client import PoolClient
+from kvshare.pool.client import PoolClient, checksum
 from kvshare.pool.testing import start_pool
-from tests.pool.conftest import PAGE
+from tests.pool.conftest import NS, PAGE, new_chunks, prompt, random_bytes
 
 SERVE = [sys.executable, "-m", "kvshare.cli", "pool", "serve"]
 
@@ -45,6 +45,63 @@ def test_check_command_reports_success():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "bad pages: 0" in out.stdout and "GiB/s" in out.stdout
+
+
+def test_check_of_a_live_pool_leaves_its_chunks_intact():
+    """`pool check --socket` checks free pages only: every committed chunk keeps its bytes and stays found; only
+    --destructive clears the pool first (and says so)."""
+    keys, tokens = prompt(4)
+    data = [random_bytes(PAGE + 100, seed=i) for i in range(4)]
+    check = [sys.executable, "-m", "kvshare.cli", "pool", "check"]
+    with start_pool("32MiB", page_size=PAGE) as (address, _process), PoolClient.connect(address) as client:
+        client.hello(NS)
+        r = client.reserve(NS, new_chunks(keys, tokens, PAGE + 100))
+        for ref, chunk in zip(r.chunks, data):
+            client.write(ref, chunk)
+        client.commit(r.lease, [checksum(d) for d in data])
+        out = subprocess.run(check + ["--socket", address], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "read-only" in out.stdout and "4 before, 4 after" in out.stdout and "bad pages: 0" in out.stdout
+        found = client.lookup(NS, keys, tokens)
+        assert [client.read(ref).tobytes() for ref in found.chunks] == data
+        client.release(found.lease)
+        assert client.stats().chunks == 4 and client.health(deep=True)
+        out = subprocess.run(check + ["--socket", address, "--destructive"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and "destructive" in out.stdout, out.stdout + out.stderr
+        assert client.stats().chunks == 0
+
+
+def test_a_pool_removes_the_arena_a_killed_pool_left_and_says_so(tmp_path):
+    """SIGKILL leaves kvshare-<pid>.arena in /dev/shm holding its memory; the next pool of this user removes it, and
+    never the arena of a live pool."""
+    def serve(name: str) -> subprocess.Popen:
+        return subprocess.Popen(SERVE + ["--size", "8MiB", "--page-size", "1MiB", "--socket", str(tmp_path / name)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def ready(process: subprocess.Popen) -> list[str]:
+        lines = []
+        while not (lines and "ready" in lines[-1]):
+            lines.append(process.stdout.readline())
+            assert lines[-1], "".join(lines)
+        return lines
+
+    dead, live = serve("dead.sock"), serve("live.sock")
+    ready(dead), ready(live)
+    dead_arena, live_arena = f"/dev/shm/kvshare-{dead.pid}.arena", f"/dev/shm/kvshare-{live.pid}.arena"
+    dead.kill()
+    dead.wait()
+    assert os.path.exists(dead_arena)
+    fresh = serve("fresh.sock")
+    try:
+        said = "".join(ready(fresh))
+        assert f"removed {dead_arena}" in said and not os.path.exists(dead_arena)
+        assert live_arena not in said and os.path.exists(live_arena)
+    finally:
+        for process in (live, fresh):
+            process.terminate()
+            process.wait(30)
+        if os.path.exists(dead_arena):
+            os.unlink(dead_arena)
 
 
 def test_serve_refuses_a_size_larger_than_memory(tmp_path):
