@@ -35,7 +35,9 @@ class ConnectorConfig:
     address: str  # pool socket path, "unix:PATH" or "tcp://HOST:PORT"
     chunk_tokens: int = 256
     timeout: float = 5.0  # per pool call
-    verify_checksums: bool = True  # hash each loaded chunk's pages and compare with the writer's checksum (I1)
+    verify_checksums: bool = True  # hash each loaded chunk's bytes and compare with the writer's checksum (I1)
+    checksums_on: str = "device"  # CUDA replicas: "device" hashes staging on the GPU; "host" hashes the arena on
+    # host threads (the design before issue 17, kept to compare its cost); CPU replicas always hash on the host
     retry_interval: float = 2.0  # after a connection failure, leave the pool alone this long before reconnecting
 
 
@@ -206,9 +208,10 @@ class ConnectorCore:
         self._lease_limit = client.stats().max_leased_pages_per_client
         transfer = None
         if self._kv_caches is not None:
-            from kvshare.transfer import make_transfer
+            from kvshare.transfer import TransferOptions, make_transfer
 
-            transfer = make_transfer(self._layout, self._kv_caches, client.torch_pages())
+            options = TransferOptions(checksums=self.config.checksums_on)
+            transfer = make_transfer(self._layout, self._kv_caches, client.torch_pages(), options=options)
         self._attached = (_instance_of(client), transfer)
 
     def load(self, hit: PoolHit, block_ids: Sequence[int], num_computed: int, release: bool = True) -> bool:
@@ -242,10 +245,12 @@ class ConnectorCore:
         instance, transfer = self._attached
         if transfer is None or hit.pool_instance != instance:
             return False  # the pool restarted since the lookup: those page numbers now mean other bytes
-        # Verification hashes the pages on background threads while the copies run (they only read the pages, which
-        # the read lease keeps unchanged). A mismatch fails the load after its copies have written the blocks: a
-        # failed load's blocks count as not computed, and the engine (or vLLM's recompute policy) recomputes them.
-        verifying = transfer.start_checksums(zip(hit.pages, hit.nbytes)) if self.config.verify_checksums else []
+        # Verification hashes the bytes the load reads: on a GPU from each staging slot after its copy, beside the
+        # scatter (only the last slot's hash outlasts the copies); on a CPU, on host threads from the pages while
+        # the copies run (the read lease keeps them unchanged). A mismatch fails the load after its copies have
+        # written the blocks: a failed load's blocks count as not computed, and the engine (or vLLM's recompute
+        # policy) recomputes them.
+        verify = self.config.verify_checksums
         per_chunk = self.chunk_tokens // self._layout.block_size
         skip_below = num_computed // self._layout.block_size
         jobs = []
@@ -253,9 +258,10 @@ class ConnectorCore:
             first_block = (hit.first_chunk + i) * per_chunk
             blocks = [b if first_block + j >= skip_below else -1 for j, b in enumerate(block_ids[first_block : first_block + per_chunk])]
             jobs.append(LoadJob(pages=pages, block_ids=blocks))
-        handle = transfer.load(jobs)
+        handle = transfer.load(jobs, checksums=verify)
         try:
-            bad = [i for i, (want, got) in enumerate(zip(hit.checksums, verifying)) if got.result() != want]
+            read = handle.checksums() if verify else hit.checksums
+            bad = [i for i, (want, got) in enumerate(zip(hit.checksums, read)) if got != want]  # chunk indices
         finally:
             # wait(), also when hashing raised: the lease is released right after, so the host must know the page
             # reads are finished (I3).
@@ -327,8 +333,9 @@ class ConnectorCore:
                 self._link.call("release", lambda c: c.release(reservation.lease))
             return None
         handle = transfer.store(jobs)
-        # COMMIT only after the copies finished (I2): the committer thread waits on the handle, then hashes and commits.
-        self._committer.submit(reservation.lease, refs, handle, transfer, started)
+        # COMMIT only after the copies finished (I2): the committer thread waits on the handle and its checksums (from
+        # the bytes the store wrote), then commits.
+        self._committer.submit(reservation.lease, refs, handle, started)
         return StoreHandle(is_done=handle.done, block_ids=tuple(b for job in jobs for b in job.block_ids))
 
     def _within_lease_limit(self, first: int, end: int, pages_per_chunk: int) -> int:
@@ -367,8 +374,8 @@ class _Committer:
         self._thread = threading.Thread(target=self._run, name="kvshare-committer", daemon=True)
         self._thread.start()
 
-    def submit(self, lease, refs, handle, transfer, started) -> None:
-        self._queue.put((lease, refs, handle, transfer, started))
+    def submit(self, lease, refs, handle, started) -> None:
+        self._queue.put((lease, refs, handle, started))
 
     def flush(self, timeout: float) -> None:
         done = threading.Event()
@@ -381,11 +388,11 @@ class _Committer:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
-            lease, refs, handle, transfer, started = item
+            lease, refs, handle, started = item
             core = self._core
             try:
                 handle.wait()  # the bytes are in the pages only after this (I2, I4)
-                checksums = [f.result() for f in transfer.start_checksums((ref.pages, ref.nbytes) for ref in refs)]
+                checksums = handle.checksums()
             except Exception as error:  # noqa: BLE001 - an unfinished store is dropped; its lease times out
                 core.stats.errors += 1
                 log.warning("pool store copy failed (%s); dropping it", error)

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
-import xxhash
 
+from kvshare import checksum as chunk_checksum
 from kvshare.pool import protocol as p
 from kvshare.pool.arena import Mapping
 from kvshare.pool.protocol import ChunkRef, NewChunk
@@ -53,8 +53,8 @@ class PoolUnavailable(PoolError):
 
 
 def checksum(data: np.ndarray | bytes | memoryview) -> int:
-    """The chunk checksum COMMIT carries: xxh3-64 of the chunk's bytes."""
-    return xxhash.xxh3_64_intdigest(data)
+    """The chunk checksum COMMIT carries (`kvshare.checksum`) of a chunk's bytes, its whole extent."""
+    return chunk_checksum.checksum(data)
 
 
 class PoolClient:

@@ -1,42 +1,104 @@
-"""xxh3-64 of a packed chunk as stored in the arena: the checksum a writer COMMITs and a reader verifies (I1)."""
+"""Where a transfer computes chunk checksums (the function itself is `kvshare.checksum`, shared with the pool):
+- on host threads, over the arena pages (the CPU path; a CUDA transfer with checksums="host");
+- on the GPU, over a staging slot (`DeviceHasher`: the CUDA path's default).
+"""
 
 from __future__ import annotations
 
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
+import numpy as np
 import torch
-import xxhash
+
+from kvshare import checksum
 
 HASH_THREADS = max(1, min(16, os.cpu_count() or 1))
 
 
-def packed_checksum(pages: torch.Tensor, page_ids: Sequence[int], nbytes: int, used_per_page: int) -> int:
-    """xxh3-64 over the chunk's units in page order: the first `used_per_page` bytes of each page (units never
-    straddle pages), `nbytes` (the pool's extent of the chunk) limiting the last. Page tails are not hashed.
-
-    `pages` is the host arena (uint8 [num_pages, page_size]); call only after the store that wrote it is done."""
-    page_size = pages.shape[1]
-    if len(page_ids) != -(-nbytes // page_size):
-        raise ValueError(f"{nbytes} bytes span {-(-nbytes // page_size)} pages of {page_size}, got {len(page_ids)}")
-    digest = xxhash.xxh3_64()
-    for k, page in enumerate(page_ids):
-        length = min(used_per_page, nbytes - k * page_size)
-        digest.update(memoryview(pages[page, :length].numpy()))
-    return digest.intdigest()
+def arena_checksum(pages: np.ndarray, page_ids: Sequence[int], nbytes: int) -> int:
+    """The checksum of a chunk as it lies in the arena (uint8 [num_pages, page_size]): the extent, tails included."""
+    return checksum.pages_checksum(pages, page_ids, nbytes)
 
 
 @lru_cache(maxsize=1)
 def _hashers() -> ThreadPoolExecutor:
-    # xxhash releases the GIL on large buffers (a 2 GiB hash stalls another Python thread for one switch interval
-    # only), so chunks hash in parallel and beside the engine thread. Created on first use, shared by a process.
+    # numpy releases the GIL in each pass over a block of words, so chunks hash in parallel and beside the engine
+    # thread. Created on first use, shared by a process.
     return ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="kvshare-hash")
 
 
-def start_checksums(pages: torch.Tensor, chunks: Iterable[tuple[Sequence[int], int]],
-                    used_per_page: int) -> list[Future]:
-    """packed_checksum of each (page ids, nbytes), computed on the hashing threads; futures in input order."""
+def start_checksums(pages: np.ndarray, chunks: Iterable[tuple[Sequence[int], int]],
+                    before: Callable[[], None] = lambda: None) -> list[Future]:
+    """arena_checksum of each (page ids, nbytes), computed on the hashing threads after `before()` returns (e.g. a
+    wait for the copies that write the pages); futures in input order."""
+
+    def one(page_ids, nbytes):
+        before()
+        return arena_checksum(pages, page_ids, nbytes)
+
     pool = _hashers()
-    return [pool.submit(packed_checksum, pages, page_ids, nbytes, used_per_page) for page_ids, nbytes in chunks]
+    return [pool.submit(one, page_ids, nbytes) for page_ids, nbytes in chunks]
+
+
+class DeviceHasher:
+    """Chunk checksums from staging slots on the GPU, on a stream of their own.
+
+    A slot holds pages [j0, j1) of one chunk, each page's units back to back (`used_per_page` bytes a row), exactly
+    the bytes the arena's pages hold or receive minus their tails, which the store keeps zero. `add` queues one
+    slot's terms (kvshare.checksum.torch_terms_sum against the c_i of those bytes' extent positions); `finish`
+    sums each chunk's slots on the host once one small device-to-host copy has landed.
+
+    Memory: one chunk's worth of int64 coefficients per chunk shape (a chunk's size: 64 MiB for 256 tokens of
+    qwen2.5-32b KV), and two slot-sized temporaries while a slot is hashed, all allocated on the hash stream.
+    """
+
+    def __init__(self, device: torch.device, page_size: int, used_per_page: int):
+        self.device, self.page_size, self.used_per_page = device, page_size, used_per_page
+        self.stream = torch.cuda.Stream(device)
+        self._coefficients: dict[int, torch.Tensor] = {}  # chunk nbytes -> int64 [pages, used_per_page // 8]
+
+    @staticmethod
+    def supports(page_size: int, used_per_page: int, block_bytes: int) -> bool:
+        """Whether every page row and the last page's units are whole words (else hash on the host)."""
+        return page_size % checksum.WORD == 0 and used_per_page % checksum.WORD == 0 and block_bytes % checksum.WORD == 0
+
+    def add(self, staging: torch.Tensor, nbytes: int, j0: int, j1: int, ready: torch.cuda.Event) -> torch.Tensor:
+        """Queue the terms of pages [j0, j1) of a chunk of `nbytes`, held by staging rows [0, j1 - j0), once `ready`
+        (recorded after the kernel or copy that fills the slot) has fired. Returns a 0-dim int64 device tensor."""
+        self.stream.wait_event(ready)  # RAW on staging: hash only the bytes the gather (store) / copy (load) put there
+        with torch.cuda.stream(self.stream):
+            words = staging[: j1 - j0].view(torch.int64)  # [pages, used_per_page // 8]
+            return checksum.torch_terms_sum(words, self._rows(nbytes)[j0:j1])
+
+    def finish(self, parts: list[torch.Tensor], owners: list[int], extents: list[int]) -> Callable[[], list[int]]:
+        """Copy every part to the host (one copy, on the hash stream) and return the function that waits for it and
+        gives each chunk's checksum: chunk c's extent is extents[c] bytes and its parts are those with owners == c."""
+        with torch.cuda.stream(self.stream):
+            host = torch.empty(len(parts), dtype=torch.int64, pin_memory=True)
+            if parts:
+                host.copy_(torch.stack(parts), non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(self.stream)
+
+        def checksums() -> list[int]:
+            copied.synchronize()  # the parts are in `host` only after this
+            totals = [0] * len(extents)
+            for owner, value in zip(owners, host.tolist()):
+                totals[owner] = (totals[owner] + value) & checksum.MASK
+            return [checksum.finish(total, nbytes) for total, nbytes in zip(totals, extents)]
+
+        return checksums
+
+    def _rows(self, nbytes: int) -> torch.Tensor:
+        rows = self._coefficients.get(nbytes)
+        if rows is None:
+            host = torch.from_numpy(checksum.chunk_coefficients(nbytes, self.page_size, self.used_per_page))
+            # Allocated and uploaded on the hash stream, its only user; from pinned memory, non-blocking (a blocking
+            # copy would wait for the slots already queued there).
+            with torch.cuda.stream(self.stream):
+                rows = host.pin_memory().to(self.device, non_blocking=True)
+            self._coefficients[nbytes] = rows
+        return rows

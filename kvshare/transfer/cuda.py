@@ -9,21 +9,26 @@ gather of one slot overlaps the copy of another. Every cross-stream dependency i
   returns, so any kernel queued afterwards reads the loaded blocks, never poison or partial data.
 - Load also waits, before scattering, for the work already queued on the caller's stream (it may still read the
   destination blocks for the request that owned them before): a write-after-read hazard.
-- Staging slot reuse: a slot's next writer waits on the event recorded after its last reader, because the host
-  enqueues far ahead of the GPU and would otherwise overwrite a slot whose copy has not run yet.
+- Checksums (checksums="device"): a third stream, `hash` (DeviceHasher), hashes each slot after the event that
+  filled it (store: the gather's; load: the copy's), beside the DMA of that slot and the gather/copy of the next, so
+  only the last slot's hash outlasts the copies. Its results reach the host by one small copy and their own event.
+- Staging slot reuse: a slot's next writer waits on the events recorded after its last readers (the copy or scatter,
+  and the hash), because the host enqueues far ahead of the GPU and would otherwise overwrite a slot still in use.
 - Memory: index tensors are allocated while the stream that uses them is current, and the staging ring is marked
-  with record_stream for both side streams, so the caching allocator never hands out memory still in use.
+  with record_stream for every side stream, so the caching allocator never hands out memory still in use.
 ordering="none" (validation only) drops the caller-stream waits in both directions; nothing else.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
 
 from kvshare.transfer.blocks import BlockSpace
+from kvshare.transfer.checksum import DeviceHasher
 from kvshare.transfer.cpu import kept_segments
 from kvshare.transfer.hostmem import register_pages
 from kvshare.transfer.jobs import ChunkPlan, Handle
@@ -33,7 +38,7 @@ from kvshare.transfer.transfer import Transfer, TransferOptions
 @dataclass
 class _Slot:
     buffer: torch.Tensor  # uint8 [slot_pages, units_per_page * block_bytes]: page-shaped staging
-    free: torch.cuda.Event | None = None  # recorded after the slot's last reader; its next writer waits on it
+    free: list[torch.cuda.Event] = field(default_factory=list)  # after the slot's last readers; its next writer waits
 
 
 @dataclass(frozen=True)
@@ -55,28 +60,38 @@ class CudaTransfer(Transfer):
         self.copy_stream = torch.cuda.Stream(self.device)
         self.used_per_page = self.units_per_page * self.layout.block_bytes
         self.slot_pages = max(1, options.staging_bytes // self.page_size)
+        on_device = options.checksums == "device" and DeviceHasher.supports(
+            self.page_size, self.used_per_page, self.layout.block_bytes)
+        self.hasher = DeviceHasher(self.device, self.page_size, self.used_per_page) if on_device else None
         self._slots = [self._new_slot() for _ in range(options.staging_slots)]
         self._next_slot = 0
 
     def _new_slot(self) -> _Slot:
         buffer = torch.empty(self.slot_pages, self.used_per_page, dtype=torch.uint8, device=self.device)
         # Allocated on the current stream but used on the side streams: tell the allocator, so freeing the
-        # Transfer cannot recycle a buffer whose copies are still queued.
-        buffer.record_stream(self.gather_stream)
-        buffer.record_stream(self.copy_stream)
+        # Transfer cannot recycle a buffer whose copies or hashes are still queued.
+        for stream in self._side_streams():
+            buffer.record_stream(stream)
         return _Slot(buffer)
+
+    def _side_streams(self) -> list[torch.cuda.Stream]:
+        return [self.gather_stream, self.copy_stream] + ([self.hasher.stream] if self.hasher else [])
 
     def _acquire(self, stream: torch.cuda.Stream) -> _Slot:
         slot = self._slots[self._next_slot]
         self._next_slot = (self._next_slot + 1) % len(self._slots)
-        if slot.free is not None:
-            stream.wait_event(slot.free)  # WAR on staging: the slot's previous reader must have finished
+        for event in slot.free:
+            stream.wait_event(event)  # WAR on staging: the slot's previous readers must have finished
         return slot
 
     @staticmethod
-    def _release(slot: _Slot, stream: torch.cuda.Stream) -> None:
-        slot.free = torch.cuda.Event()
-        slot.free.record(stream)
+    def _release(slot: _Slot, *readers: torch.cuda.Stream) -> None:
+        """Record, on each stream that reads the slot, an event after its last read (the next writer waits on all)."""
+        slot.free = []
+        for stream in readers:
+            event = torch.cuda.Event()
+            event.record(stream)
+            slot.free.append(event)
 
     # ---- store -------------------------------------------------------------------------------------------------
     def _store(self, plans: list[ChunkPlan]) -> Handle:
@@ -86,6 +101,7 @@ class CudaTransfer(Transfer):
         if self.options.ordering == "stream":
             self.gather_stream.wait_event(produced)  # I4: read KV only after the kernels that wrote it
         rows, items = self._prepare(plans)
+        parts = []
         for item in items:
             slot = self._acquire(self.gather_stream)
             with torch.cuda.stream(self.gather_stream):
@@ -95,8 +111,14 @@ class CudaTransfer(Transfer):
             self.copy_stream.wait_event(gathered)  # RAW on staging: copy out only what the gather wrote
             with torch.cuda.stream(self.copy_stream):
                 self._copy_pages(item, slot, to_host=True)
-            self._release(slot, self.copy_stream)
-        return self._finish(self.copy_stream)
+            if self.hasher:  # the same bytes the copy writes to the arena, hashed beside it
+                parts.append(self._hash(item, slot, gathered))
+            self._release(slot, *self._readers(self.copy_stream))
+        done = self._finish(self.copy_stream)  # I4: the source blocks are free once this fires
+        if self.hasher:
+            return _EventHandle(done, self._device_checksums(plans, items, parts))
+        # Host hashing reads the arena, so it waits for the copies that write it.
+        return _EventHandle(done, _results(self.start_checksums(self._extents(plans), before=done.synchronize)))
 
     def _gather(self, item: _Item, rows: torch.Tensor, slot: _Slot) -> None:
         units = slot.buffer.view(-1, self.layout.block_bytes)  # [slot_pages * upp, block_bytes]
@@ -108,16 +130,20 @@ class CudaTransfer(Transfer):
                 torch.index_select(view, 0, index, out=out)
 
     # ---- load --------------------------------------------------------------------------------------------------
-    def _load(self, plans: list[ChunkPlan]) -> Handle:
+    def _load(self, plans: list[ChunkPlan], checksums: bool) -> Handle:
         caller = torch.cuda.current_stream(self.device)
         earlier = torch.cuda.Event()
         earlier.record(caller)
         if self.options.ordering == "stream":
             self.gather_stream.wait_event(earlier)  # WAR: earlier kernels may still read the destination blocks
         rows, items = self._prepare(plans)
+        on_host = checksums and not self.hasher
+        # Host hashing reads the arena, which the read lease keeps unchanged: it starts at once, beside the copies.
+        host_sums = self.start_checksums(self._extents(plans)) if on_host else []
         if self.options.side_delay_cycles:
             with torch.cuda.stream(self.copy_stream):
                 torch.cuda._sleep(self.options.side_delay_cycles)  # validation only: make the load late
+        parts = []
         for item in items:
             slot = self._acquire(self.copy_stream)
             with torch.cuda.stream(self.copy_stream):
@@ -127,8 +153,13 @@ class CudaTransfer(Transfer):
             self.gather_stream.wait_event(copied)  # RAW on staging: scatter only after the pages arrived
             with torch.cuda.stream(self.gather_stream):
                 self._scatter(item, rows, slot)
-            self._release(slot, self.gather_stream)
-        handle = self._finish(self.gather_stream)
+            if checksums and self.hasher:  # the bytes just read from the arena, hashed beside the scatter
+                parts.append(self._hash(item, slot, copied))
+            self._release(slot, *self._readers(self.gather_stream, hashed=checksums))
+        sums = None
+        if checksums:
+            sums = self._device_checksums(plans, items, parts) if self.hasher else _results(host_sums)
+        handle = _EventHandle(self._finish(self.gather_stream), sums)
         if self.options.ordering == "stream":
             caller.wait_event(handle.event)  # I5: later kernels on the caller's stream see the loaded blocks
         return handle
@@ -172,15 +203,33 @@ class CudaTransfer(Transfer):
             else:
                 device_part.copy_(host_part, non_blocking=True)
 
-    def _finish(self, last: torch.cuda.Stream) -> "_EventHandle":
+    def _hash(self, item: _Item, slot: _Slot, filled: torch.cuda.Event) -> torch.Tensor:
+        nbytes = item.chunk.nbytes(self.page_size, self.layout.block_bytes)
+        return self.hasher.add(slot.buffer, nbytes, item.j0, item.j1, filled)
+
+    def _readers(self, stream: torch.cuda.Stream, hashed: bool = True) -> list[torch.cuda.Stream]:
+        """The streams that read a slot: the copy (store) or scatter (load), and the hash stream when it hashed."""
+        return [stream] + ([self.hasher.stream] if self.hasher and hashed else [])
+
+    def _device_checksums(self, plans: list[ChunkPlan], items: list[_Item], parts: list[torch.Tensor]):
+        owner = {id(chunk): c for c, chunk in enumerate(plans)}
+        extents = [nbytes for _, nbytes in self._extents(plans)]
+        return self.hasher.finish(parts, [owner[id(item.chunk)] for item in items], extents)
+
+    @staticmethod
+    def _finish(last: torch.cuda.Stream) -> torch.cuda.Event:
         done = torch.cuda.Event()
         done.record(last)  # after the batch's last operation (every earlier one precedes it via the events above)
-        return _EventHandle(done)
+        return done
+
+
+def _results(futures: list) -> Callable[[], list[int]]:
+    return lambda: [future.result() for future in futures]
 
 
 class _EventHandle(Handle):
-    def __init__(self, event: torch.cuda.Event):
-        super().__init__(event.query, event.synchronize)
+    def __init__(self, event: torch.cuda.Event, checksums: Callable[[], list[int]] | None):
+        super().__init__(event.query, event.synchronize, checksums)
         self.event = event
 
 

@@ -47,12 +47,18 @@ class ChunkPlan:
         u0 = j * self.units_per_page
         return u0, min(u0 + self.units_per_page, len(self.rows))
 
+    def nbytes(self, page_size: int, block_bytes: int) -> int:
+        """The chunk's extent in the arena (see KVLayout.chunk_nbytes): full pages, then the last page's units."""
+        full = len(self.pages) - 1
+        return full * page_size + (len(self.rows) - full * self.units_per_page) * block_bytes
+
 
 class Handle:
     """Completion of a batch of transfers. For a store, the source blocks must stay untouched until done() (I4)."""
 
-    def __init__(self, is_done: Callable[[], bool] = lambda: True, wait: Callable[[], None] = lambda: None):
-        self._is_done, self._wait = is_done, wait
+    def __init__(self, is_done: Callable[[], bool] = lambda: True, wait: Callable[[], None] = lambda: None,
+                 checksums: Callable[[], list[int]] | None = None):
+        self._is_done, self._wait, self._checksums = is_done, wait, checksums
 
     def done(self) -> bool:
         return self._is_done()
@@ -60,8 +66,13 @@ class Handle:
     def wait(self) -> None:
         self._wait()
 
-
-DONE = Handle()
+    def checksums(self) -> list[int]:
+        """Each chunk's checksum (`kvshare.checksum`), in job order, computed from the bytes this batch wrote to the
+        arena (a store) or read from it (a load that asked for them). Blocks until they are known; they may be known
+        before done() (the hash of a load's last slot can finish before its scatter) or after it."""
+        if self._checksums is None:
+            raise ValueError("this transfer computed no checksums: pass checksums=True to load()")
+        return self._checksums()
 
 
 def plan(

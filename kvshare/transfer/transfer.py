@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from concurrent.futures import Future
-from typing import Iterable, Literal, Sequence
+from dataclasses import dataclass
+from typing import Callable, Iterable, Literal, Sequence
 
 import torch
 
 from kvshare.transfer.blocks import BlockSpace, build_block_space
-from kvshare.transfer.checksum import packed_checksum, start_checksums
+from kvshare.transfer.checksum import arena_checksum, start_checksums
 from kvshare.transfer.jobs import ChunkPlan, Handle, LoadJob, StoreJob, plan
 from kvshare.transfer.layout import KVLayout
 
 Ordering = Literal["stream", "none"]
+ChecksumsOn = Literal["device", "host"]
 
 
 @dataclass(frozen=True)
@@ -25,16 +26,23 @@ class TransferOptions:
     staging_bytes / staging_slots: CUDA staging ring, rounded to whole pages (at least one page a slot).
     side_delay_cycles: validation only: `torch.cuda._sleep` this long on the copy stream before each load, so a
       consumer that does not wait for the load is caught reading poison.
+    checksums: where a CUDA transfer computes chunk checksums. "device": on the GPU from the staging slots, beside
+      the copies (a load's verification then costs about one slot's hash after its last copy). "host": on host
+      threads from the arena, after a store's copies and while a load's run (the design before; CPU transfers
+      always do this, and a CUDA transfer falls back to it for layouts whose units are not whole 8-byte words).
     """
 
     ordering: Ordering = "stream"
     staging_bytes: int = 64 << 20
     staging_slots: int = 4
     side_delay_cycles: int = 0
+    checksums: ChecksumsOn = "device"
 
     def __post_init__(self):
         if self.ordering not in ("stream", "none"):
             raise ValueError(f"ordering must be 'stream' or 'none' (unsafe, validation only), got {self.ordering!r}")
+        if self.checksums not in ("device", "host"):
+            raise ValueError(f"checksums must be computed on 'device' or 'host', got {self.checksums!r}")
         if self.staging_slots < 2:
             raise ValueError("staging_slots must be >= 2 so that gathers overlap copies")
 
@@ -50,29 +58,49 @@ class Transfer:
             raise ValueError("pages must be row-contiguous (a view of the arena, e.g. PoolClient.torch_pages())")
         self.space, self.layout, self.pages, self.options = space, space.layout, pages, options
         self.page_size, self.num_pages = pages.shape[1], pages.shape[0]
+        self._arena = pages.numpy()  # the same memory, for the host checksum (numpy)
         self.units_per_page = self.layout.units_per_page(self.page_size)  # refuses a page smaller than a block
 
     def store(self, jobs: Sequence[StoreJob]) -> Handle:
-        """Pack each job's blocks into its pages. Ordered after all work already queued on the current stream."""
-        return self._store(plan(self.space, jobs, self.page_size, self.num_pages, loading=False))
+        """Pack each job's blocks into its pages. Ordered after all work already queued on the current stream.
 
-    def load(self, jobs: Sequence[LoadJob]) -> Handle:
-        """Unpack each job's pages into its blocks; every later kernel on the current stream sees the result."""
-        return self._load(plan(self.space, jobs, self.page_size, self.num_pages, loading=True))
+        The handle's checksums() are computed from the bytes written. Page tails (bytes past a page's last unit) are
+        zeroed here, so a chunk's whole extent is a function of its units: the pool, which does not know where the
+        units end, hashes every byte and gets the checksum a GPU computes from the units alone."""
+        plans = plan(self.space, jobs, self.page_size, self.num_pages, loading=False)
+        self._zero_tails(plans)
+        return self._store(plans)
+
+    def load(self, jobs: Sequence[LoadJob], checksums: bool = False) -> Handle:
+        """Unpack each job's pages into its blocks; every later kernel on the current stream sees the result.
+        checksums=True: the handle's checksums() are computed from the bytes read (to verify against the writer's)."""
+        return self._load(plan(self.space, jobs, self.page_size, self.num_pages, loading=True), checksums)
 
     def checksum(self, pages: Sequence[int], nbytes: int) -> int:
-        """xxh3-64 of a stored chunk (see checksum.packed_checksum); only after its store is done."""
-        return packed_checksum(self.pages, pages, nbytes, self.units_per_page * self.layout.block_bytes)
+        """The checksum of a chunk as it lies in the arena now (kvshare.checksum); only after its store is done."""
+        return arena_checksum(self._arena, pages, nbytes)
 
-    def start_checksums(self, chunks: Iterable[tuple[Sequence[int], int]]) -> list[Future]:
-        """The checksums of many chunks, hashed in parallel on background threads; futures in input order. The
-        caller keeps the pages unchanged until every future is done (a read lease, or a finished store)."""
-        return start_checksums(self.pages, chunks, self.units_per_page * self.layout.block_bytes)
+    def start_checksums(self, chunks: Iterable[tuple[Sequence[int], int]],
+                        before: Callable[[], None] = lambda: None) -> list[Future]:
+        """The checksums of many chunks, hashed in parallel on host threads after `before()`; futures in input order.
+        The caller keeps the pages unchanged until every future is done (a read lease, or a finished store)."""
+        return start_checksums(self._arena, chunks, before)
+
+    def _extents(self, plans: list[ChunkPlan]) -> list[tuple[list[int], int]]:
+        """(page ids, nbytes) of each planned chunk."""
+        return [(chunk.pages.tolist(), chunk.nbytes(self.page_size, self.layout.block_bytes)) for chunk in plans]
+
+    def _zero_tails(self, plans: list[ChunkPlan]) -> None:
+        used = self.units_per_page * self.layout.block_bytes
+        if used == self.page_size:
+            return
+        for chunk in plans:  # every page but the last (the extent ends at the last page's last unit)
+            self._arena[chunk.pages[:-1], used:] = 0
 
     def _store(self, plans: list[ChunkPlan]) -> Handle:
         raise NotImplementedError
 
-    def _load(self, plans: list[ChunkPlan]) -> Handle:
+    def _load(self, plans: list[ChunkPlan], checksums: bool) -> Handle:
         raise NotImplementedError
 
 

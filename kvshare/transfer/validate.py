@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
-import xxhash
 
+from kvshare import checksum
 from kvshare.keys import Namespace, chunk_keys, token_bytes
 from kvshare.transfer.jobs import SKIP, LoadJob, StoreJob
 from kvshare.transfer.layout import KVLayout
@@ -154,29 +154,29 @@ def _one_trial(t: _Trial, result: ModeResult) -> None:
     t.kv_bytes.index_copy_(1, index, fresh)  # the kernel that writes the KV
     handle = t.transfer.store([StoreJob(sources[i].tolist(), refs[i].pages) for i in range(n)])
     handle.wait()
+    checksums = handle.checksums()  # from the bytes the store wrote (CUDA: its staging slots, on the GPU)
     _synchronize(config.device)
     expected = [_reference_pack(t.kv_bytes, sources[i]) for i in range(n)]
-    checksums, stored = [], [_stored_bytes(t, refs[i].pages, nbytes) for i in range(n)]
+    stored = [_stored_bytes(t, refs[i].pages, nbytes) for i in range(n)]
     for i in range(n):
         result.store_mismatches += int(not np.array_equal(stored[i], expected[i]))
-        checksums.append(t.transfer.checksum(refs[i].pages, nbytes))
-        result.checksum_mismatches += int(checksums[i] != xxhash.xxh3_64_intdigest(stored[i]))
+        result.checksum_mismatches += int(checksums[i] != checksum.checksum(_extent(t, stored[i])))
+        result.checksum_mismatches += int(checksums[i] != t.transfer.checksum(refs[i].pages, nbytes))  # the pool's view
     t.client.commit(reservation.lease, checksums)
 
     # ---- load into poisoned, different blocks, racing the consumer -----------------------------------------------
     found = t.client.lookup(t.namespace, keys, token_chunks)
     try:
-        for i, ref in enumerate(found.chunks):
-            result.checksum_mismatches += int(t.transfer.checksum(ref.pages, ref.nbytes) != ref.checksum)
         t.kv_bytes[:, torch.from_numpy(targets.reshape(-1)).to(config.device)] = POISON
         jobs = []
         for i, ref in enumerate(found.chunks):
             ids = targets[i].copy()
             ids[0] = SKIP  # "already present": must stay poisoned
             jobs.append(LoadJob(ref.pages, ids.tolist()))
-        t.transfer.load(jobs)
+        loaded = t.transfer.load(jobs, checksums=True)
         seen = t.kv_bytes[:, torch.from_numpy(targets.reshape(-1)).to(config.device)].clone()  # the consumer reads
         _synchronize(config.device)
+        result.checksum_mismatches += sum(a != ref.checksum for a, ref in zip(loaded.checksums(), found.chunks))
         seen = seen.cpu().numpy().reshape(layout.num_layers, n, bpc, layout.block_bytes)
         for i in range(n):  # against what the pool holds, so a stale store cannot pass for a load race
             want = stored[i].reshape(layout.num_layers, bpc, layout.block_bytes)
@@ -196,6 +196,14 @@ def _reference_pack(kv_bytes: torch.Tensor, block_ids: np.ndarray) -> np.ndarray
     """The packing rule written out independently of the transfer code: layer-major units, K then V each."""
     index = torch.from_numpy(np.asarray(block_ids)).to(kv_bytes.device)
     return kv_bytes[:, index].reshape(-1).cpu().numpy()
+
+
+def _extent(t: _Trial, units: np.ndarray) -> np.ndarray:
+    """A chunk's extent as the checksum reads it, built from its packed units: each page's units, zeros to the end of
+    every page but the last (the store keeps page tails zero)."""
+    used, page_size = t.layout.units_per_page(t.client.page_size) * t.layout.block_bytes, t.client.page_size
+    pieces = [units[k : k + used] for k in range(0, len(units), used)]
+    return np.concatenate([np.pad(p, (0, page_size - len(p))) for p in pieces[:-1]] + pieces[-1:])
 
 
 def _stored_bytes(t: _Trial, pages: list[int], nbytes: int) -> np.ndarray:

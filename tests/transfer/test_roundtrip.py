@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 import torch
-import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvshare import checksum
 from kvshare.transfer import KINDS, SKIP, KVLayout, LoadJob, StoreJob, make_transfer
 from tests.transfer.conftest import block_bytes_of, make_kv, reference_chunk
 
@@ -34,11 +34,12 @@ def test_round_trip_is_byte_exact(arena, case):
     layers = make_kv(layout, fused=fused)
     need = layout.pages_needed(bpc * layout.block_size, page_size)
     pages = arena(need * chunks + 1, page_size)
+    pages.fill_(0xEE)  # pages reused from earlier chunks: their tails hold old bytes
     transfer = make_transfer(layout, layers, pages)
     page_ids = np.random.default_rng(0).permutation(need * chunks + 1)[: need * chunks].reshape(chunks, need)
     sources = [ids[c * bpc : (c + 1) * bpc] for c in range(chunks)]
     targets = [ids[(chunks + c) * bpc : (chunks + c + 1) * bpc] for c in range(chunks)]
-    transfer.store([StoreJob(sources[c], page_ids[c].tolist()) for c in range(chunks)]).wait()
+    stored_sums = transfer.store([StoreJob(sources[c], page_ids[c].tolist()) for c in range(chunks)]).checksums()
 
     nbytes = layout.chunk_nbytes(bpc * layout.block_size, page_size)
     used = layout.units_per_page(page_size) * layout.block_bytes
@@ -47,13 +48,15 @@ def test_round_trip_is_byte_exact(arena, case):
                                  for k, p in enumerate(page_ids[c])])
         expected = reference_chunk(layout, layers, sources[c])
         assert np.array_equal(stored, expected)
-        assert transfer.checksum(page_ids[c].tolist(), nbytes) == xxhash.xxh3_64_intdigest(expected)
-    hashed = transfer.start_checksums((page_ids[c].tolist(), nbytes) for c in range(chunks))  # parallel, in order
-    assert [f.result() for f in hashed] == [transfer.checksum(page_ids[c].tolist(), nbytes) for c in range(chunks)]
+        # The pool's view: the whole extent, page tails included, which the store zeroed.
+        assert stored_sums[c] == checksum.checksum(with_zero_tails(expected, page_size, used))
+        assert transfer.checksum(page_ids[c].tolist(), nbytes) == stored_sums[c]
 
     before = {(l, b): block_bytes_of(layout, layers[l], b) for l in range(layout.num_layers) for b in range(layout.num_blocks)}
     loads = [[SKIP if (skip_first and i == 0) else b for i, b in enumerate(t)] for t in targets]
-    transfer.load([LoadJob(page_ids[c].tolist(), loads[c]) for c in range(chunks)]).wait()
+    loaded = transfer.load([LoadJob(page_ids[c].tolist(), loads[c]) for c in range(chunks)], checksums=True)
+    loaded.wait()
+    assert loaded.checksums() == stored_sums
     written = {b: s for c in range(chunks) for b, s in zip(loads[c], sources[c]) if b != SKIP}
     for l in range(layout.num_layers):
         for b in range(layout.num_blocks):
@@ -61,15 +64,26 @@ def test_round_trip_is_byte_exact(arena, case):
             assert np.array_equal(block_bytes_of(layout, layers[l], b), want), (l, b)
 
 
-def test_checksum_detects_a_flipped_byte(arena):
+def with_zero_tails(units: np.ndarray, page_size: int, used: int) -> np.ndarray:
+    """A chunk's extent built from its packed units: each page's units, then zeros to the page's end (not after the
+    last page's units)."""
+    pieces = [units[k : k + used] for k in range(0, len(units), used)]
+    return np.concatenate([np.pad(p, (0, page_size - len(p))) for p in pieces[:-1]] + pieces[-1:])
+
+
+def test_load_checksums_see_a_flipped_byte(arena):
     layout = KVLayout(2, 8, 4, 2, 8, torch.bfloat16)
     pages = arena(4, 512)  # 2 units a page: the chunk spans 2 pages
     transfer = make_transfer(layout, make_kv(layout), pages)
-    transfer.store([StoreJob([1, 2], [0, 2])]).wait()
+    stored = transfer.store([StoreJob([1, 2], [0, 2]), StoreJob([3, 4], [1, 3])]).checksums()
     nbytes = layout.chunk_nbytes(8, 512)
-    before = transfer.checksum([0, 2], nbytes)
+    assert transfer.checksum([0, 2], nbytes) == stored[0]
     pages[2, 5] ^= 0x10
-    assert transfer.checksum([0, 2], nbytes) != before
+    assert transfer.checksum([0, 2], nbytes) != stored[0]
+    loaded = transfer.load([LoadJob([0, 2], [5, 6]), LoadJob([1, 3], [6 + 1, 0])], checksums=True).checksums()
+    assert loaded[0] != stored[0] and loaded[1] == stored[1]
+    with pytest.raises(ValueError, match="no checksums"):
+        transfer.load([LoadJob([1, 3], [5, 6])]).checksums()
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
 """CUDA ordering (I4, I5): stores under a delayed producer and loads under a delayed side stream are exact with
-ordering="stream" and wrong with ordering="none" (so these tests can fail). Skipped without CUDA."""
+ordering="stream" and wrong with ordering="none" (so these tests can fail); checksums computed on the GPU from the
+staging slots equal the host's over the arena. Skipped without CUDA."""
 
 import numpy as np
 import pytest
@@ -34,24 +35,28 @@ def _store_under_delay(arena, ordering):
     torch.cuda._sleep(SLEEP)  # the producer is late ...
     for layer, data in zip(layers, fresh):
         layer.view(torch.uint8).view(layout.num_blocks, -1)[:8] = data  # ... writing the KV the store reads
-    transfer.store([StoreJob(blocks, page_ids)]).wait()
+    handle = transfer.store([StoreJob(blocks, page_ids)])
+    handle.wait()
     torch.cuda.synchronize()
-    return np.array_equal(_stored(layout, pages, page_ids, 8), reference_chunk(layout, layers, blocks))
+    exact = np.array_equal(_stored(layout, pages, page_ids, 8), reference_chunk(layout, layers, blocks))
+    nbytes = layout.chunk_nbytes(8 * layout.block_size, PAGE)
+    return exact and handle.checksums() == [transfer.checksum(page_ids, nbytes)]  # hashed what was copied
 
 
 def _load_under_delay(arena, ordering):
     layout, layers, pages, transfer = _setup(arena, ordering, delay=SLEEP)
     torch.cuda.synchronize()  # the KV is written before this store even with ordering="none"
-    transfer.store([StoreJob(list(range(8)), list(range(4)))]).wait()
+    stored = transfer.store([StoreJob(list(range(8)), list(range(4)))]).checksums()
     targets = list(range(32, 40))
     for layer in layers:
         layer.view(torch.uint8).view(layout.num_blocks, -1)[32:40] = 0xA5  # poison
-    transfer.load([LoadJob(list(range(4)), [SKIP] + targets[1:])])
+    handle = transfer.load([LoadJob(list(range(4)), [SKIP] + targets[1:])], checksums=True)
     seen = [layer.view(torch.uint8).view(layout.num_blocks, -1)[32:40].clone() for layer in layers]  # consumer
     torch.cuda.synchronize()
     want = [layer.view(torch.uint8).view(layout.num_blocks, -1)[:8] for layer in layers]
     loaded = all(torch.equal(s[1:], w[1:]) for s, w in zip(seen, want))
     skipped_kept = all(bool((s[0] == 0xA5).all()) for s in seen)
+    assert handle.checksums() == stored  # the hash waited for the delayed copy, in either ordering mode
     return loaded, skipped_kept
 
 
@@ -86,3 +91,28 @@ def test_cuda_round_trip_every_kind(arena, kind, fused):
     for c in range(3):  # no synchronize: the current stream is ordered after the load (I5)
         assert np.array_equal(reference_chunk(layout, layers, ids[24 + c * 8 : 24 + (c + 1) * 8]),
                               reference_chunk(layout, layers, ids[c * 8 : (c + 1) * 8]))
+
+
+@pytest.mark.parametrize("heads", [2, 3])  # 3 heads: 12 KiB blocks, 5 a page, so pages have tails and the last is partial
+def test_device_checksums_equal_the_host_ones(arena, heads):
+    layout = KVLayout(4, 64, 16, heads, 64, torch.bfloat16)
+    layers = make_kv(layout, device="cuda")
+    pages = arena(64, PAGE)
+    pages.fill_(0xEE)  # old bytes in the tails: the store must zero them
+    device = make_transfer(layout, layers, pages, options=TransferOptions(staging_bytes=2 * PAGE))
+    host = make_transfer(layout, layers, pages, options=TransferOptions(staging_bytes=2 * PAGE, checksums="host"))
+    assert device.hasher is not None and host.hasher is None
+    need, nbytes = layout.pages_needed(128, PAGE), layout.chunk_nbytes(128, PAGE)
+    rng = np.random.default_rng(2)
+    page_ids = rng.permutation(64)[: 3 * need].reshape(3, need).tolist()
+    blocks = rng.permutation(layout.num_blocks)[:48].tolist()
+    stores = [StoreJob(blocks[c * 8 : (c + 1) * 8], page_ids[c]) for c in range(3)]
+    stored = device.store(stores).checksums()
+    assert stored == [device.checksum(p, nbytes) for p in page_ids]  # the pool's view of the arena, tails included
+    assert host.store(stores).checksums() == stored
+    loads = [LoadJob(page_ids[c], blocks[24 + c * 8 : 24 + (c + 1) * 8]) for c in range(3)]
+    assert device.load(loads, checksums=True).checksums() == stored
+    assert host.load(loads, checksums=True).checksums() == stored
+    pages[page_ids[1][-1], 5] ^= 0x40  # a corrupted byte in chunk 1's last page
+    loaded = device.load(loads, checksums=True).checksums()
+    assert loaded[1] != stored[1] and loaded[0] == stored[0] and loaded[2] == stored[2]

@@ -5,7 +5,8 @@ lets an operator SCAN one namespace away); the braces are a cluster hash tag on 
 for one chunk lands in one slot while different chunks spread over every master.
 
 A value is self-describing and verified on every read: the header repeats key, namespace, parent, tokens and nbytes,
-and carries the xxh3-64 of the bytes. decode_verified() rejects anything that does not match what the reader asked
+and carries the chunk checksum of the bytes (`kvshare.checksum`, the one COMMIT carries: a promoted chunk is
+committed with it and replicas verify their loads against it). decode_verified() rejects anything that does not match what the reader asked
 for, so a corrupted, truncated, foreign or colliding value is a miss, never wrong KV.
 """
 
@@ -14,7 +15,8 @@ from __future__ import annotations
 import struct
 
 import msgspec
-import xxhash
+
+from kvshare.checksum import checksum as chunk_checksum
 
 VERSION = 1
 _LENGTH = struct.Struct("<I")
@@ -27,7 +29,7 @@ class Header(msgspec.Struct, frozen=True, array_like=True):
     parent: bytes
     tokens: bytes  # little-endian uint32 token ids, as the pool's index keeps them
     nbytes: int
-    checksum: int  # xxh3-64 of the payload
+    checksum: int  # kvshare.checksum of the payload
 
 
 class Rejected(Exception):
@@ -71,6 +73,6 @@ def decode_verified(
         raise Rejected("parent or tokens differ from the LOOKUP's (a collision or a foreign value)")
     if header.nbytes != len(payload) or header.nbytes <= 0:
         raise Rejected(f"{len(payload)} payload bytes, header says {header.nbytes}")
-    if xxhash.xxh3_64_intdigest(payload) != header.checksum:
+    if chunk_checksum(payload) != header.checksum:
         raise Rejected("checksum mismatch: the bytes were corrupted")
     return header, payload

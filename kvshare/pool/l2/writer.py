@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
-import xxhash
 
+from kvshare import checksum as chunk_checksum
 from kvshare.pool.l2 import codec
 from kvshare.pool.l2.store import L2Unavailable, RedisStore
 
@@ -33,7 +33,7 @@ class Job:
     parent: bytes
     tokens: bytes
     nbytes: int
-    checksum: int  # the writer's xxh3-64 from COMMIT (0: not computed by the client)
+    checksum: int  # the writer's kvshare.checksum from COMMIT (0: not computed by the client)
     pages: list[int]
     lease: int  # internal read lease pinning `pages` until the copy is taken
 
@@ -110,10 +110,7 @@ class WriteBehind:
     def _value(self, job: Job) -> bytes | None:
         page_size = self.pages.shape[1]
         views = [self.pages[page, : min(page_size, job.nbytes - i * page_size)] for i, page in enumerate(job.pages)]
-        digest = xxhash.xxh3_64()
-        for view in views:
-            digest.update(view)
-        checksum = digest.intdigest()
+        checksum = chunk_checksum.parts_checksum(views, job.nbytes)  # the replicas' function, over the whole extent
         if job.checksum and checksum != job.checksum:
             log.warning("chunk %s: arena bytes do not match the writer's checksum; not written to L2", job.key.hex())
             return None
