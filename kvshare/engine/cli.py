@@ -6,6 +6,8 @@ import argparse
 import logging
 import os
 
+from kvshare.httpguard.limits import add_flags as add_http_limit_flags
+
 log = logging.getLogger(__name__)
 
 
@@ -38,6 +40,11 @@ def register(cli) -> None:
                             "that decides which replicas share KV; the weights' bytes are always hashed too "
                             "(default: none)")
     serve.add_argument("--threads", type=int, default=None, help="torch CPU threads (pin both arms of a benchmark)")
+    serve.add_argument("--max-stop-strings", type=int, default=16, metavar="N",
+                       help="most stop strings one request may send (default: %(default)s)")
+    serve.add_argument("--max-stop-chars", type=int, default=256, metavar="N",
+                       help="longest stop string, in characters (default: %(default)s)")
+    add_http_limit_flags(serve)
     serve.set_defaults(run=run_serve)
 
     make = cli.command("make-model", "write a generated model folder (config, random weights, tokenizer)")
@@ -67,6 +74,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvshare.engine.engine import Engine
     from kvshare.engine.server import serve
     from kvshare.engine.tokenizer import Tokenizer
+    from kvshare.httpguard.limits import from_args as http_limits_from_args
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -78,6 +86,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.chunk_tokens % args.block_size:
         log.error("--chunk-tokens %d is not a multiple of --block-size %d", args.chunk_tokens, args.block_size)
         return 2
+    try:
+        limits, http_limits = request_limits(args), http_limits_from_args(args)
+    except ValueError as error:
+        log.error("kvshare serve: %s", error)
+        return 2
     tokenizer = Tokenizer.from_dir(args.model)
     engine = Engine(engine_config(args))
     if args.pool != "none":
@@ -87,10 +100,19 @@ def run_serve(args: argparse.Namespace) -> int:
             engine, ConnectorConfig(address=args.pool, chunk_tokens=args.chunk_tokens,
                                     verify_checksums=args.verify_checksums)))
     try:
-        serve(engine, tokenizer, host=args.host, port=args.port, model_name=engine.model_name)
+        serve(engine, tokenizer, host=args.host, port=args.port, model_name=engine.model_name,
+              engine_load=engine.load, limits=limits, http_limits=http_limits)
     finally:
         engine.shutdown()
     return 0
+
+
+def request_limits(args: argparse.Namespace):
+    from kvshare.engine.server import RequestLimits
+
+    if args.max_stop_strings < 0 or args.max_stop_chars < 1:
+        raise ValueError("--max-stop-strings must be >= 0 and --max-stop-chars >= 1")
+    return RequestLimits(max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars)
 
 
 def run_make_model(args: argparse.Namespace) -> int:

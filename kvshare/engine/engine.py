@@ -12,12 +12,12 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvshare.engine.api import EventCallback, GenerationRequest, KVConnector, TokenEvent, Usage
+from kvshare.engine.api import EngineLoad, EventCallback, GenerationRequest, KVConnector, TokenEvent, Usage
 from kvshare.engine.block_manager import BlockManager
 from kvshare.engine.config import EngineConfig, ModelConfig
 from kvshare.engine.model_runner import ModelRunner
 from kvshare.engine.pool_hooks import PoolHooks
-from kvshare.engine.sampler import sample
+from kvshare.engine.sampler import RowFailure, sample
 from kvshare.engine.scheduler import Batch, Scheduler
 from kvshare.engine.sequence import Sequence, Status
 
@@ -81,6 +81,13 @@ class Engine:
         """True while the engine thread runs (answers /health)."""
         return self._thread.is_alive()
 
+    def load(self) -> EngineLoad:
+        """Requests and KV blocks held now; called from the server's thread (for /metrics). Each count is one len()
+        of a container the engine thread mutates, atomic under the GIL: a count may be a step old, never torn."""
+        requests = len(self._inbox) + len(self.scheduler.waiting) + len(self.scheduler.running)
+        total = self.block_manager.num_blocks
+        return EngineLoad(requests, total - self.block_manager.num_free, total)
+
     # --- EngineProtocol ------------------------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, callback: EventCallback) -> None:
         with self._lock:
@@ -110,9 +117,27 @@ class Engine:
             return False
         if batch.is_prefill and self.pool:
             self.pool.load_prefix(batch.seqs[0])
-        logits = self.runner.prefill(batch.seqs[0]) if batch.is_prefill else self.runner.decode(batch.seqs)
-        self._postprocess(batch, sample(logits, batch.seqs))
+        self._postprocess(batch, self._run(batch.is_prefill, batch.seqs))
         return True
+
+    def _run(self, is_prefill: bool, seqs: list[Sequence]) -> list[int | RowFailure]:
+        """Model step and sampling: a token, or a failure, per request. A step that fails for several requests is run
+        again one request at a time (running a decode again only rewrites the K/V of the same positions), so a request
+        that fails alone fails alone and the others go on. A failed step counts as the request's own (another replica
+        would fail it too) only when another request of the batch went on: a step that fails for every request, or for
+        the only one, may be the replica's fault."""
+        try:
+            logits = self.runner.prefill(seqs[0]) if is_prefill else self.runner.decode(seqs)
+        except Exception as error:  # noqa: BLE001 - one request's failure must not end the others
+            if len(seqs) == 1:
+                log.warning("model step of request %s failed: %r", seqs[0].request_id, error)
+                return [RowFailure(f"the model step failed: {error!r}", request_caused=False)]
+            log.warning("a decode step of %d requests failed (%r); running them one at a time", len(seqs), error)
+            results = [self._run(False, [seq])[0] for seq in seqs]
+            if any(not isinstance(r, RowFailure) for r in results):
+                results = [RowFailure(r.message, True) if isinstance(r, RowFailure) else r for r in results]
+            return results
+        return sample(logits, seqs)
 
     def _loop(self) -> None:
         while True:
@@ -140,7 +165,8 @@ class Engine:
         for seq in new:
             problem = self._validate(seq)
             if problem:
-                self._emit(seq, TokenEvent(seq.request_id, None, True, "error", self._usage(seq), problem))
+                self._emit(seq, TokenEvent(seq.request_id, None, True, "error", self._usage(seq), problem,
+                                           request_caused=True))
             else:
                 self.scheduler.add(seq)
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
@@ -160,8 +186,11 @@ class Engine:
             return f"max_tokens must be at least 1, got {seq.sampling.max_tokens}"
         return None
 
-    def _postprocess(self, batch: Batch, tokens: list[int]) -> None:
+    def _postprocess(self, batch: Batch, tokens: list[int | RowFailure]) -> None:
         for seq, token in zip(batch.seqs, tokens):
+            if isinstance(token, RowFailure):
+                self._finish(seq, "error", error=token.message, request_caused=token.request_caused)
+                continue
             if batch.is_prefill and not seq.admitted:  # hits count once: a preempted request's recompute is no hit
                 seq.admitted = True
                 seq.local_hit_tokens = seq.num_computed - seq.pool_hit_tokens
@@ -184,14 +213,14 @@ class Engine:
             return "length"
         return None
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None, request_caused: bool = False) -> None:
         """Store the chunks completed by generated tokens, emit the finished event, free the blocks (stores hold
         theirs)."""
         if self.pool:
             if seq.block_table and reason in ("stop", "length"):
                 self.pool.store(seq, seq.num_computed)
             self.pool.release(seq)
-        self._emit(seq, TokenEvent(seq.request_id, None, True, reason, self._usage(seq), error))
+        self._emit(seq, TokenEvent(seq.request_id, None, True, reason, self._usage(seq), error, request_caused))
         self.scheduler.remove(seq)
 
     def _usage(self, seq: Sequence) -> Usage:

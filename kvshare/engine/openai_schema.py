@@ -13,9 +13,16 @@ from kvshare.engine.api import Usage
 # ---------------------------------------------------------------- requests (OpenAI's schema, the fields we serve)
 
 
+# On a 5xx, says the request itself failed (alone: the other requests in its batch went on), so another replica would
+# fail it too and a router must not retry it. Absent: the replica may be at fault.
+ERROR_CAUSE_HEADER = "x-kvshare-error-cause"
+REQUEST_CAUSED = "request"
+
+
 class Strict(BaseModel):
     # strict: "5" is not an int and 1 is not a bool (wrong types are errors, not guesses); unknown fields that
-    # OpenAI clients send (presence_penalty, logprobs=null, ...) are ignored.
+    # OpenAI clients send (logprobs=null, logit_bias, ...) are ignored. Values are checked by the server's validator,
+    # which says what range each field takes.
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
@@ -28,6 +35,9 @@ class SamplingFields(Strict):
     max_tokens: StrictInt | None = None
     temperature: StrictFloat = 0.0  # greedy unless asked (OpenAI's default is 1; benchmarks always set it)
     top_p: StrictFloat = 1.0
+    top_k: StrictInt | None = None  # vLLM's field: -1 or 0 = no top-k cut
+    presence_penalty: StrictFloat | None = None  # accepted only as 0: this engine applies no penalties
+    frequency_penalty: StrictFloat | None = None
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
@@ -61,18 +71,26 @@ class ChatRequest(SamplingFields):
 class ApiError(Exception):
     """An OpenAI-style error: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 request_caused: bool = False) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = "invalid_request_error" if status < 500 else "server_error"
+        self.request_caused = request_caused  # a 5xx that another replica would give too (ERROR_CAUSE_HEADER)
+
+    def payload(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        return {ERROR_CAUSE_HEADER: REQUEST_CAUSED} if self.request_caused and self.status >= 500 else {}
 
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(self.payload(), status_code=self.status, headers=self.headers())
 
 
 def parse_body(model: type[Strict], body: bytes) -> Strict:
-    """Validates the raw body; malformed JSON -> 400, wrong or missing fields -> 422, both in OpenAI's shape."""
+    """Validates the raw body; malformed JSON and wrong or missing fields -> 400 (as OpenAI and vLLM answer), in
+    OpenAI's shape."""
     try:
         return model.model_validate_json(body)
     except pydantic.ValidationError as error:
@@ -81,7 +99,7 @@ def parse_body(model: type[Strict], body: bytes) -> Strict:
             raise ApiError(400, f"request body is not valid JSON ({first['msg']}); send a JSON object") from None
         if not first["loc"]:
             raise ApiError(400, f"request body must be a JSON object, got: {first['msg']}") from None
-        raise ApiError(422, _describe(error), param=str(first["loc"][0])) from None
+        raise ApiError(400, _describe(error), param=str(first["loc"][0])) from None
 
 
 _EXPECTED = {

@@ -1,28 +1,58 @@
-"""Next-token choice: greedy (temperature 0) or temperature + top-p with the request's own seeded generator."""
+"""Next-token choice: greedy (temperature 0) or temperature + top-k + top-p with the request's own seeded generator.
+Each row is sampled on its own: a row that cannot be sampled fails its own request, never the batch."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from kvshare.engine.sequence import Sequence
 
+# Below this temperature sampling is greedy (as vLLM does): logits / 1e-300 overflow to inf and softmax to NaN.
+GREEDY_BELOW = 1e-5
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """One token per row of logits (B, vocab, fp32). Sampling draws from each request's CPU generator, so a seeded
-    request gives the same tokens whatever else is batched with it."""
+
+@dataclass(frozen=True)
+class RowFailure:
+    """A row of a step that produced no token; the engine fails that request alone with this message.
+    `request_caused`: the request's own parameters are to blame (its logits were finite), so another replica would
+    fail it too; otherwise the replica may be at fault."""
+
+    message: str
+    request_caused: bool
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int | RowFailure]:
+    """One token (or a failure) per row of logits (B, vocab, fp32). Sampling draws from each request's CPU generator,
+    so a seeded request gives the same tokens whatever else is batched with it."""
     greedy = logits.argmax(dim=-1).tolist()
-    tokens = []
+    tokens: list[int | RowFailure] = []
     for row, seq, best in zip(logits, seqs, greedy):
         sp = seq.sampling
-        tokens.append(best if sp.temperature <= 0 else _sample_row(row.cpu(), sp.temperature, sp.top_p, seq.generator))
+        if sp.temperature < GREEDY_BELOW:
+            tokens.append(best)
+            continue
+        try:
+            tokens.append(_sample_row(row.cpu(), sp.temperature, sp.top_k, sp.top_p, seq.generator))
+        except (RuntimeError, ValueError) as error:  # torch's "invalid multinomial distribution" and the like
+            finite = bool(torch.isfinite(row).all())
+            tokens.append(RowFailure(f"sampling failed with temperature={sp.temperature}, top_k={sp.top_k}, "
+                                     f"top_p={sp.top_p}{'' if finite else ' (the model produced non-finite logits)'}: "
+                                     f"{error}", request_caused=finite))
     return tokens
 
 
-def _sample_row(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+def _sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                generator: torch.Generator) -> int:
     probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
+    if 0 < top_k < probs.numel() or top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (always at least the most likely token).
+        # Keep the smallest prefix whose mass reaches top_p, at most top_k tokens, and always the most likely one (a
+        # top_p too small for float32 would otherwise keep nothing).
         keep = (sorted_probs.cumsum(-1) - sorted_probs) < top_p
+        if top_k > 0:
+            keep[top_k:] = False
+        keep[0] = True
         probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
     return int(torch.multinomial(probs, 1, generator=generator))

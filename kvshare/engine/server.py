@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -19,14 +20,19 @@ from typing import AsyncIterator, Awaitable, Callable, Protocol, Sequence
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from kvshare.engine.api import ConnectorStats, EngineProtocol, GenerationRequest, SamplingParams, TokenEvent, Usage
+from kvshare.engine.api import (ConnectorStats, EngineLoad, EngineProtocol, GenerationRequest, SamplingParams,
+                                TokenEvent, Usage)
 from kvshare.engine.detokenize import IncrementalText
 from kvshare.engine.metrics import ServerMetrics
 from kvshare.engine.openai_schema import (ApiError, ChatMessage, ChatRequest, Chunk, CompletionRequest, Delta,
                                           DeltaChoice, Message, MessageChoice, SamplingFields, TextChoice, UsageBody,
                                           Whole, hits_of, parse_body)
+from kvshare.httpguard.limits import HttpLimits
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +55,17 @@ class TokenizerProtocol(Protocol):
 
 # ---------------------------------------------------------------- validated request -> engine request
 
+SEED_RANGE = (-(2**63), 2**63 - 1)  # int64, as vLLM; torch's generators take any of these
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask of the replica beyond its size (`kvshare serve` flags). Stop strings are matched
+    against the text after every token, so their number and length bound that work."""
+
+    max_stop_strings: int = 16
+    max_stop_chars: int = 256
+
 
 @dataclass(frozen=True)
 class Prepared:
@@ -64,8 +81,9 @@ class Prepared:
 class _Validator:
     """Semantic checks that need the model: limits, vocabulary, model name. Each failure is a 4xx ApiError."""
 
-    def __init__(self, engine: EngineProtocol, tokenizer: TokenizerProtocol, model_name: str) -> None:
-        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+    def __init__(self, engine: EngineProtocol, tokenizer: TokenizerProtocol, model_name: str,
+                 limits: RequestLimits) -> None:
+        self.engine, self.tokenizer, self.model_name, self.limits = engine, tokenizer, model_name, limits
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -97,17 +115,36 @@ class _Validator:
 
     def sampling(self, body: SamplingFields, prompt_len: int, max_tokens: int | None, default: int | None
                  ) -> SamplingParams:
+        """OpenAI's ranges (vLLM's for its extensions); every value that passes can be sampled."""
+        if body.n < 1:
+            raise ApiError(400, f"n must be at least 1, got {body.n}", param="n")
         if body.n != 1:
             raise ApiError(400, f"n={body.n} is not supported; send n=1 (one choice per request)", param="n")
-        if body.temperature < 0:
-            raise ApiError(400, f"temperature must be >= 0, got {body.temperature}", param="temperature")
-        if not 0 < body.top_p <= 1:
-            raise ApiError(400, f"top_p must be in (0, 1], got {body.top_p}", param="top_p")
+        _check_number("temperature", body.temperature, 0.0, 2.0)
+        _check_number("top_p", body.top_p, 0.0, 1.0, open_below=True)
+        top_k = 0 if body.top_k is None else body.top_k
+        if top_k < -1:
+            raise ApiError(400, f"top_k must be -1 or 0 (no top-k cut) or at least 1, got {top_k}", param="top_k")
+        _check_no_penalty("presence_penalty", body.presence_penalty)
+        _check_no_penalty("frequency_penalty", body.frequency_penalty)
+        if body.seed is not None and not SEED_RANGE[0] <= body.seed <= SEED_RANGE[1]:
+            raise ApiError(400, f"seed must be a 64-bit signed integer, got {body.seed}", param="seed")
         stop_ids = tuple(body.stop_token_ids or ())
         self.check_ids(stop_ids, "stop_token_ids")
         return SamplingParams(max_tokens=self.max_tokens(max_tokens, prompt_len, default),
                               temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                              stop_token_ids=stop_ids, ignore_eos=body.ignore_eos)
+                              stop_token_ids=stop_ids, ignore_eos=body.ignore_eos, top_k=max(top_k, 0))
+
+    def stop_strings(self, stop: str | list[str] | None) -> tuple[str, ...]:
+        strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if len(strings) > self.limits.max_stop_strings:
+            raise ApiError(400, f"stop has {len(strings)} strings; this server accepts at most "
+                                f"{self.limits.max_stop_strings} (--max-stop-strings)", param="stop")
+        longest = max(map(len, strings), default=0)
+        if longest > self.limits.max_stop_chars:
+            raise ApiError(400, f"a stop string has {longest} characters; this server accepts at most "
+                                f"{self.limits.max_stop_chars} (--max-stop-chars)", param="stop")
+        return tuple(s for s in strings if s)
 
     def refuse_hopeless_text(self, chars: int, param: str) -> None:
         """A text longer than max_model_len * max_token_chars characters cannot fit: refuse it before tokenizing,
@@ -147,11 +184,28 @@ class _Validator:
                 prefix: str, arrived: float) -> Prepared:
         """`default`: the completion budget when max_tokens is absent (None: up to the context limit)."""
         sampling = self.sampling(body, len(prompt_ids), max_tokens, default)
-        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        stop = self.stop_strings(body.stop)
         request = GenerationRequest(request_id=f"{prefix}-{uuid.uuid4().hex}", prompt_ids=tuple(prompt_ids),
                                     sampling=sampling, cache_salt=body.cache_salt or "")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return Prepared(request, tuple(s for s in stop if s), body.stream, include_usage, arrived)
+        return Prepared(request, stop, body.stream, include_usage, arrived)
+
+
+def _check_number(name: str, value: float, low: float, high: float, open_below: bool = False) -> None:
+    """A finite number in [low, high] (or (low, high]); NaN and infinities fail every comparison, so they are named."""
+    inside = math.isfinite(value) and (low < value if open_below else low <= value) and value <= high
+    if not inside:
+        interval = f"{'(' if open_below else '['}{low:g}, {high:g}]"
+        raise ApiError(400, f"{name} must be a finite number in {interval}, got {value}", param=name)
+
+
+def _check_no_penalty(name: str, value: float | None) -> None:
+    if value is None:
+        return
+    _check_number(name, value, -2.0, 2.0)
+    if value != 0:
+        raise ApiError(400, f"{name}={value} is not supported: this server samples without penalties; send 0 or "
+                            "leave it out", param=name)
 
 
 def _message_text(message: ChatMessage) -> str:
@@ -228,6 +282,7 @@ class Piece:
     finish_reason: str | None = None
     usage: Usage | None = None
     error: str | None = None
+    request_caused: bool = False  # with error: the request failed alone (see TokenEvent)
 
 
 async def _pieces(app: "_Server", prepared: Prepared, stream: _EventStream, endpoint: str) -> AsyncIterator[Piece]:
@@ -258,7 +313,8 @@ async def _pieces(app: "_Server", prepared: Prepared, stream: _EventStream, endp
                 usage = _final_usage(event.usage, prepared, accepted, text.stopped)
                 app.metrics.observe_usage(usage)
                 if event.error is not None:
-                    yield Piece(finish_reason="error", usage=usage, error=event.error)
+                    yield Piece(finish_reason="error", usage=usage, error=event.error,
+                                request_caused=event.request_caused)
                     return
                 tail = text.finish()
                 if tail:
@@ -341,8 +397,7 @@ async def _sse_stream(pieces: AsyncIterator[Piece], fmt: _Format, include_usage:
     async with contextlib.aclosing(pieces):  # closed at once, never left to the garbage collector
         async for piece in pieces:
             if piece.error is not None:
-                yield _sse({"error": {"message": f"generation failed: {piece.error}", "type": "server_error",
-                                      "param": None, "code": None}})
+                yield _sse(_generation_failed(piece).payload())
                 break
             if piece.text:
                 yield _sse(fmt.chunk([fmt.delta(piece.text)]))
@@ -359,12 +414,18 @@ async def _collect(pieces: AsyncIterator[Piece], fmt: _Format) -> Response:
     async with contextlib.aclosing(pieces):  # closed at once, never left to the garbage collector
         async for piece in pieces:
             if piece.error is not None:
-                return ApiError(500, f"generation failed: {piece.error}").response()
+                return _generation_failed(piece).response()
             parts.append(piece.text)
             if piece.finish_reason is not None:
                 body = fmt.whole("".join(parts), piece.finish_reason, piece.usage)
                 return Response(_encoder.encode(body), media_type="application/json")
     return ApiError(500, "the engine ended the request without a finished event").response()
+
+
+def _generation_failed(piece: Piece) -> ApiError:
+    """A request that failed alone is marked so (code and header): a router must not retry it elsewhere."""
+    return ApiError(500, f"generation failed: {piece.error}", code="request_failed" if piece.request_caused else None,
+                    request_caused=piece.request_caused)
 
 
 async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[Response]]) -> Response:
@@ -393,9 +454,10 @@ class _Server:
     """What the route handlers share: engine, tokenizer, validator, metrics."""
 
     def __init__(self, engine: EngineProtocol, tokenizer: TokenizerProtocol, model_name: str,
-                 is_alive: Callable[[], bool], connector_stats: Callable[[], ConnectorStats | None]) -> None:
+                 is_alive: Callable[[], bool], connector_stats: Callable[[], ConnectorStats | None],
+                 limits: RequestLimits) -> None:
         self.engine, self.tokenizer, self.model_name, self.is_alive = engine, tokenizer, model_name, is_alive
-        self.validator = _Validator(engine, tokenizer, model_name)
+        self.validator = _Validator(engine, tokenizer, model_name, limits)
         self.metrics = ServerMetrics(connector_stats)
         self.started = int(time.time())
 
@@ -454,6 +516,22 @@ class _ClosingStreamingResponse(StreamingResponse):
             self._on_close()
 
 
+class EngineLoadCollector(Collector):
+    """kvshare_engine_requests and kvshare_kv_blocks_{used,total}, read from the engine at scrape time: what requests
+    hold now (a request whose client left releases its blocks at the engine's next step)."""
+
+    def __init__(self, source: Callable[[], EngineLoad]) -> None:
+        self._source = source
+
+    def collect(self):
+        load = self._source()
+        yield GaugeMetricFamily("kvshare_engine_requests", "requests the engine holds (queued or running)",
+                                value=load.requests)
+        yield GaugeMetricFamily("kvshare_kv_blocks_used", "KV blocks held by requests or by pool stores",
+                                value=load.blocks_used)
+        yield GaugeMetricFamily("kvshare_kv_blocks_total", "KV blocks in the cache", value=load.blocks_total)
+
+
 class _CountRequests:
     """ASGI middleware: counts every HTTP response by endpoint and status (streams count at their start line)."""
 
@@ -475,18 +553,29 @@ class _CountRequests:
 
 def create_app(engine: EngineProtocol, tokenizer: TokenizerProtocol, model_name: str, *,
                is_alive: Callable[[], bool] | None = None,
-               connector_stats: Callable[[], ConnectorStats | None] | None = None) -> FastAPI:
+               connector_stats: Callable[[], ConnectorStats | None] | None = None,
+               engine_load: Callable[[], EngineLoad] | None = None,
+               limits: RequestLimits = RequestLimits()) -> FastAPI:
     """The FastAPI app. `is_alive` answers /health (default: the engine's `is_alive()` if it has one, else true
     while the server answers); `connector_stats` feeds the kvshare_pool_* metrics at scrape time (default: the
-    stats of the engine's optional `connector` attribute)."""
+    stats of the engine's optional `connector` attribute); `engine_load`, when given, the kvshare_engine_* and
+    kvshare_kv_blocks_* gauges."""
     server = _Server(engine, tokenizer, model_name, is_alive or _default_liveness(engine),
-                     connector_stats or (lambda: _engine_connector_stats(engine)))
+                     connector_stats or (lambda: _engine_connector_stats(engine)), limits)
+    if engine_load is not None:
+        server.metrics.registry.register(EngineLoadCollector(engine_load))
     app = FastAPI(title="kvshare replica", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, error: ApiError) -> JSONResponse:
         return error.response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(request: Request, error: ClientDisconnect) -> Response:
+        # The client closed the connection before its body was complete (or the body limit cut it off): nobody reads
+        # an answer, and the HTTP layer has logged the one line it is worth.
+        return Response(status_code=499)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -531,10 +620,14 @@ def _default_liveness(engine: EngineProtocol) -> Callable[[], bool]:
 
 def serve(engine: EngineProtocol, tokenizer: TokenizerProtocol, *, host: str, port: int, model_name: str,
           is_alive: Callable[[], bool] | None = None,
-          connector_stats: Callable[[], ConnectorStats | None] | None = None) -> None:
-    """Serves until SIGINT/SIGTERM (blocking). The caller owns the engine and shuts it down afterwards."""
-    import uvicorn
+          connector_stats: Callable[[], ConnectorStats | None] | None = None,
+          engine_load: Callable[[], EngineLoad] | None = None,
+          limits: RequestLimits = RequestLimits(), http_limits: HttpLimits = HttpLimits()) -> None:
+    """Serves until SIGINT/SIGTERM (blocking), under `http_limits` (kvshare.httpguard). The caller owns the engine and
+    shuts it down afterwards."""
+    from kvshare.httpguard.serve import serve as serve_http
 
-    app = create_app(engine, tokenizer, model_name, is_alive=is_alive, connector_stats=connector_stats)
+    app = create_app(engine, tokenizer, model_name, is_alive=is_alive, connector_stats=connector_stats,
+                     engine_load=engine_load, limits=limits)
     log.info("serving %s on http://%s:%d", model_name, host, port)
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    serve_http(app, host, port, http_limits)

@@ -1,22 +1,28 @@
 """The router's HTTP app: every path is proxied except `/health`, `/metrics`, aggregated `/v1/models`, and the admin
-endpoints that inspect and switch the placement policy at run time."""
+endpoints that inspect (`/admin/state`, open) and switch (`/admin/policy`, behind the admin token) the placement
+policy at run time. Every error the router writes itself is JSON in OpenAI's shape."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import logging
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvshare.router.admin import AdminGate
 from kvshare.router.config import RouterConfig
 from kvshare.router.metrics import RouterMetrics
 from kvshare.router.policies import POLICIES
-from kvshare.router.proxy import Proxy
+from kvshare.router.proxy import Proxy, error_response
 from kvshare.router.replicas import ReplicaSet
+from kvshare.router.request import MalformedBody, parse_request
 
+log = logging.getLogger(__name__)
 CONTROL_PATHS = frozenset({"/health", "/metrics", "/v1/models", "/admin/state", "/admin/policy"})
 
 
@@ -32,18 +38,31 @@ class RouterApp:
         if scope["type"] != "http" or scope["path"] in CONTROL_PATHS:
             await self.control(scope, receive, send)
             return
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # the client left before sending its whole request: nothing to forward
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        body = await _whole_body(receive)
+        if body is None:
+            return  # the client left before sending its whole request (the HTTP layer logged it): nothing to forward
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
         query = scope.get("query_string", b"").decode("latin-1")
-        response = await self.proxy.forward(scope["method"], scope["path"], query, headers, bytes(body))
+        try:
+            info = parse_request(scope["path"], headers, body)
+        except MalformedBody as error:
+            await error_response(400, str(error), "invalid_request_error", "invalid_body")(scope, receive, send)
+            return
+        response = await self.proxy.forward(scope["method"], scope["path"], query, headers, body, info)
         await response(scope, receive, send)
+
+
+async def _whole_body(receive) -> bytes | None:
+    """The request body, or None if the client left first. Bounded by the HTTP guard's body limit, which stands
+    in front of this app (kvshare.httpguard): past it the client gets 413 and this sees a disconnect."""
+    parts: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        parts.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(parts)
 
 
 def create_app(config: RouterConfig) -> RouterApp:
@@ -67,6 +86,16 @@ def create_app(config: RouterConfig) -> RouterApp:
                 checker.cancel()
 
     app = FastAPI(title="kvshare router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    admin = AdminGate.from_file(config.admin_token_file)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, error: StarletteHTTPException) -> Response:
+        return error_response(error.status_code, f"{error.detail}: {request.method} {request.url.path}")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception) -> Response:
+        log.exception("unexpected error serving %s", request.url.path)
+        return error_response(500, f"internal error: {type(error).__name__}", "server_error")
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -88,13 +117,16 @@ def create_app(config: RouterConfig) -> RouterApp:
         return JSONResponse(router_state(proxy))
 
     @app.post("/admin/policy")
-    async def set_policy(request: Request) -> JSONResponse:
+    async def set_policy(request: Request) -> Response:
+        refusal = admin.refusal(request.headers.get("authorization"))
+        if refusal is not None:
+            return refusal
         try:
             name = json.loads(await request.body())["policy"]
             proxy.switch_policy(name)
-        except (ValueError, KeyError, TypeError) as error:
+        except (ValueError, KeyError, TypeError, RecursionError) as error:
             message = f"bad policy request ({error}); send {{\"policy\": NAME}} with NAME one of {', '.join(POLICIES)}"
-            return JSONResponse({"error": {"message": message, "type": "invalid_request_error"}}, 400)
+            return error_response(400, message)
         return JSONResponse(router_state(proxy))
 
     return RouterApp(app, proxy)
@@ -125,5 +157,5 @@ async def aggregated_models(proxy: Proxy) -> Response:
                 models.setdefault(model.get("id"), model)
     if not models:
         message = "no healthy replica answered /v1/models: check the replicas behind --replica (GET /admin/state)"
-        return JSONResponse({"error": {"message": message, "type": "service_unavailable", "code": 503}}, 503)
+        return error_response(503, message, "service_unavailable")
     return JSONResponse({"object": "list", "data": list(models.values())})

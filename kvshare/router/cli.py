@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvshare.httpguard.limits import add_flags as add_http_limit_flags
 from kvshare.router.config import RouterConfig
 
 _POLICIES = ("round-robin", "alternate", "fixed", "least-loaded", "cache-aware")  # kvshare.router.policies.POLICIES
@@ -23,6 +24,10 @@ def register(cli) -> None:
     route.add_argument("--prefix-chunk-bytes", type=int, default=RouterConfig.prefix_chunk_bytes)
     route.add_argument("--load-weight", type=float, default=RouterConfig.load_weight,
                        help="cache-aware: score = uncached fraction + LOAD_WEIGHT * in-flight requests")
+    route.add_argument("--admin-token-file", metavar="FILE", default=None,
+                       help="POST /admin/policy (switch policy at run time) needs 'Authorization: Bearer TOKEN' with "
+                            "this file's token; without this flag it is refused for everyone (default: off)")
+    add_http_limit_flags(route)
     route.set_defaults(run=_route)
 
     bench = cli.command("router-overhead", help="TTFT through the router vs direct, on loopback", group="bench")
@@ -33,6 +38,7 @@ def register(cli) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    from kvshare.httpguard.limits import from_args as http_limits_from_args
     from kvshare.router.config import read_replicas_file
 
     urls = [url.rstrip("/") for url in args.replica]
@@ -43,6 +49,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         health_interval_s=args.health_interval, health_timeout_s=args.health_timeout,
         read_timeout_s=args.read_timeout, prefix_chunk_tokens=args.prefix_chunk_tokens,
         prefix_chunk_bytes=args.prefix_chunk_bytes, load_weight=args.load_weight,
+        admin_token_file=args.admin_token_file, http=http_limits_from_args(args),
     )
 
 
@@ -55,17 +62,17 @@ def quiet_http_client_logs() -> None:
 
 
 def _route(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    from kvshare.httpguard.serve import serve
     from kvshare.router.app import create_app
 
     try:
         config = config_from_args(args)
+        app = create_app(config)
     except (ValueError, OSError) as error:
         print(f"kvshare route: {error}")
         return 2
     quiet_http_client_logs()
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning", access_log=False)
+    serve(app, config.host, config.port, config.http)
     return 0
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvshare.httpguard.limits import HttpLimits
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,8 @@ class RouterConfig:
     prefix_keys_per_replica: int = 65536  # cache-aware: LRU bound on remembered chunk keys per replica
     load_weight: float = 0.5  # cache-aware: one in-flight request costs as much as half the prompt uncached
     sessions_remembered: int = 65536  # alternate: LRU bound on remembered sessions
+    admin_token_file: str | None = None  # POST /admin/policy needs this file's token; None: refused for everyone
+    http: HttpLimits = field(default_factory=HttpLimits)  # limits on the router's own clients (kvshare.httpguard)
 
     def __post_init__(self):
         if not self.replicas:

@@ -4,6 +4,10 @@ upstream bytes chunk by chunk as they arrive (never buffered), so SSE token timi
 The "first byte" is the first upstream *body* chunk: the router holds the response headers back until it has it,
 so an upstream that dies after its headers but before any body is still retried elsewhere. After that first chunk
 is sent the client owns the stream and an upstream failure cuts the client's connection (the error passes to it).
+
+A failure that is the request's own is never retried: a 4xx, or a 5xx the replica marks request-caused (header
+x-kvshare-error-cause: request, set by `kvshare serve` when a request failed alone while its batch went on); it goes
+to the client as the replica sent it.
 """
 
 from __future__ import annotations
@@ -18,20 +22,24 @@ import anyio
 import httpx
 from starlette.responses import Response
 
+from kvshare.engine.openai_schema import ERROR_CAUSE_HEADER, REQUEST_CAUSED
 from kvshare.router.config import RouterConfig
 from kvshare.router.metrics import RouterMetrics
 from kvshare.router.policies import Policy, make_policy
 from kvshare.router.replicas import Replica, ReplicaSet
-from kvshare.router.request import RequestInfo, parse_request
+from kvshare.router.request import RequestInfo
 
 log = logging.getLogger(__name__)
 
 REPLICA_HEADER = "x-kvshare-replica"
-# Connection-level headers describe one hop, not the message; httpx and uvicorn set their own.
+# Connection-level headers describe one hop, not the message (RFC 9110 7.6.1), as do those the Connection header
+# names; httpx and uvicorn write their own framing (content-length / transfer-encoding) and host.
 _HOP_BY_HOP = frozenset(
-    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
-     "transfer-encoding", "upgrade", "host", "content-length"}
+    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te", "trailer",
+     "trailers", "transfer-encoding", "upgrade", "host", "content-length"}
 )
+# The router's server writes its own Date and Server on every response: the replica's would appear twice.
+_REWRITTEN_BY_ROUTER = frozenset({"date", "server", REPLICA_HEADER})
 
 
 @dataclass
@@ -69,11 +77,10 @@ class Proxy:
         log.info("policy switched to %s", name)
 
     async def forward(
-        self, method: str, path: str, query: str, headers: dict[str, str], body: bytes
+        self, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes, info: RequestInfo
     ) -> "RelayedResponse | Response":
         """An ASGI response for the request: the chosen replica's, relayed, or the router's own 503 (or the last
         replica's 5xx when every replica answered one)."""
-        info = parse_request(headers, body)
         tried: set[int] = set()
         failures: list[Failed] = []
         while candidates := self.replicas.healthy(exclude=frozenset(tried)):
@@ -96,7 +103,9 @@ class Proxy:
         except httpx.HTTPError as error:
             return self._failed_connect(replica, f"{type(error).__name__}: {error}")
         if response.status_code >= 500:
-            return await self._failed_status(replica, response)
+            if response.headers.get(ERROR_CAUSE_HEADER) != REQUEST_CAUSED:
+                return await self._failed_status(replica, response)
+            self.metrics.errors.labels(replica.url, "request_5xx").inc()  # the request's own: relayed, not retried
         chunks = response.aiter_raw()
         try:
             first = await anext(chunks, b"")
@@ -143,7 +152,7 @@ class Proxy:
         answered = [f for f in failures if f.status]
         if answered:
             last = answered[-1]
-            return Response(last.body, status_code=last.status, headers={k.decode(): v.decode() for k, v in last.headers})
+            return _RawResponse(last.body, last.status, last.headers)
         self.metrics.no_replica.inc()
         tried = "; ".join(f"{f.replica.url}: {f.reason}" for f in failures)
         down = "; ".join(f"{r.url}: {r.last_error or 'down'}" for r in self.replicas.replicas if not r.healthy)
@@ -152,18 +161,47 @@ class Proxy:
             f"({tried or down}). Check that the `kvshare serve` processes behind --replica are running; the router "
             f"probes them every {self.config.health_interval_s:g} s and puts them back when /health answers 200."
         )
-        payload = {"error": {"message": message, "type": "service_unavailable", "code": 503}}
-        retry_after = str(max(1, round(self.config.health_interval_s)))
-        return Response(json.dumps(payload), 503, {"retry-after": retry_after}, media_type="application/json")
+        response = error_response(503, message, "service_unavailable")
+        response.headers["retry-after"] = str(max(1, round(self.config.health_interval_s)))
+        return response
 
 
-def forwarded_headers(headers: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in _HOP_BY_HOP}
+def error_response(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> Response:
+    """An error the router writes itself, in OpenAI's shape (as the replicas write theirs)."""
+    payload = {"error": {"message": message, "type": kind, "param": None, "code": code if code else status}}
+    return Response(json.dumps(payload), status, media_type="application/json")
+
+
+def _connection_named(pairs) -> set[str]:
+    """Header names the Connection header lists: hop-by-hop for this message (RFC 9110 7.6.1)."""
+    named: set[str] = set()
+    for name, value in pairs:
+        if name.lower() == "connection":
+            named.update(token.strip().lower() for token in value.split(","))
+    return named
+
+
+def forwarded_headers(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The client's headers minus hop-by-hop ones; repeated headers stay repeated, in order."""
+    dropped = _HOP_BY_HOP | _connection_named(headers)
+    return [(k, v) for k, v in headers if k.lower() not in dropped]
 
 
 def response_headers(response: httpx.Response, replica: Replica) -> tuple[tuple[bytes, bytes], ...]:
-    kept = [(k, v) for k, v in response.headers.raw if k.decode("latin-1").lower() not in _HOP_BY_HOP]
+    """The replica's headers minus hop-by-hop ones and those the router writes itself, plus X-KVShare-Replica: each
+    header appears on the client's response as often as the replica sent it, never once more."""
+    raw = [(k.decode("latin-1").lower(), k, v) for k, v in response.headers.raw]
+    dropped = _HOP_BY_HOP | _REWRITTEN_BY_ROUTER | _connection_named((name, v.decode("latin-1")) for name, _, v in raw)
+    kept = [(k, v) for name, k, v in raw if name not in dropped]
     return tuple(kept) + ((REPLICA_HEADER.encode(), replica.url.encode()),)
+
+
+class _RawResponse(Response):
+    """A buffered upstream answer passed on with its raw header list (repeated headers kept as they were)."""
+
+    def __init__(self, body: bytes, status: int, headers: tuple[tuple[bytes, bytes], ...]) -> None:
+        super().__init__(body, status)
+        self.raw_headers = [(b"content-length", str(len(body)).encode()), *headers]
 
 
 class RelayedResponse:

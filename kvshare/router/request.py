@@ -4,15 +4,25 @@ The session id is the `X-Session-ID` header, else the OpenAI `user` field, else 
 The prompt is either token ids (a completions `prompt` given as a list of ints) or text: a completions `prompt`
 string, or a chat `messages` list written canonically as "role\\ncontent\\n\\n" per message (text parts of a list
 content joined), so that a conversation's next turn extends the previous turn's text. For a batched prompt
-(a list of prompts) the first one is used. A body that is not JSON places like a request with no prompt.
+(a list of prompts) the first one is used.
+
+A generation request (POST to /v1/completions or /v1/chat/completions) whose body is not a JSON object in valid UTF-8
+with valid Unicode (no lone surrogates) and bounded nesting is malformed: the router answers it 400 itself, since no
+replica could serve it. On other paths such a body places like a request with no prompt.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
+import msgspec
+
 SESSION_HEADER = "x-session-id"
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class MalformedBody(ValueError):
+    """A generation request whose body no replica could read; the message says what is wrong."""
 
 
 @dataclass(frozen=True)
@@ -22,10 +32,11 @@ class RequestInfo:
     prompt_text: bytes = b""  # UTF-8 prompt text when no token ids were sent
 
 
-def parse_request(headers: dict[str, str], body: bytes) -> RequestInfo:
-    """Never raises: placement must not reject a request that the replica should judge (4xx pass through)."""
-    payload = _json_object(body)
-    session = headers.get(SESSION_HEADER) or _as_str(payload.get("user"))
+def parse_request(path: str, headers: list[tuple[str, str]], body: bytes) -> RequestInfo:
+    """Raises MalformedBody only for a generation request whose body is not a readable JSON object; anything readable
+    is placed and forwarded, for the replica to judge (its 4xx pass through)."""
+    payload = _json_object(body, strict=path in GENERATION_PATHS)
+    session = _first(headers, SESSION_HEADER) or _as_str(payload.get("user"))
     if "messages" in payload:
         return RequestInfo(session, None, _chat_text(payload["messages"]).encode())
     prompt = payload.get("prompt")
@@ -38,12 +49,28 @@ def parse_request(headers: dict[str, str], body: bytes) -> RequestInfo:
     return RequestInfo(session, None, b"")
 
 
-def _json_object(body: bytes) -> dict:
+def _json_object(body: bytes, strict: bool) -> dict:
+    """msgspec refuses invalid UTF-8 and lone surrogates (the json module accepts "\\ud800", which then cannot be
+    encoded) and raises RecursionError on deep nesting instead of recursing without bound."""
     try:
-        payload = json.loads(body) if body else {}
-    except (ValueError, UnicodeDecodeError):
+        payload = msgspec.json.decode(body) if body else None
+    except msgspec.DecodeError as error:
+        if strict:
+            raise MalformedBody(f"the request body is not valid JSON ({error}); send a JSON object in UTF-8") from None
         return {}
-    return payload if isinstance(payload, dict) else {}
+    except RecursionError:
+        if strict:
+            raise MalformedBody("the request body nests JSON too deeply; send a flat JSON object") from None
+        return {}
+    if isinstance(payload, dict):
+        return payload
+    if strict:
+        raise MalformedBody(f"the request body must be a JSON object, got {type(payload).__name__ if body else 'none'}")
+    return {}
+
+
+def _first(headers: list[tuple[str, str]], name: str) -> str | None:
+    return next((value for key, value in headers if key == name), None)
 
 
 def _as_str(value) -> str | None:

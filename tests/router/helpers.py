@@ -9,6 +9,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 REPLICA_HEADER = "x-kvshare-replica"
+ADMIN_TOKEN = "router-tests-admin-token"  # routers started through tests/router/servers.py accept it
 
 
 def complete(base: str, session: str | None = None, **body) -> httpx.Response:
@@ -32,8 +33,9 @@ def sse_events(lines) -> list[dict]:
     return events
 
 
-def set_policy(base: str, name: str) -> httpx.Response:
-    return httpx.post(f"{base}/admin/policy", json={"policy": name}, timeout=10)
+def set_policy(base: str, name: str, token: str | None = ADMIN_TOKEN) -> httpx.Response:
+    headers = {"authorization": f"Bearer {token}"} if token is not None else {}
+    return httpx.post(f"{base}/admin/policy", json={"policy": name}, headers=headers, timeout=10)
 
 
 def state(base: str) -> dict:

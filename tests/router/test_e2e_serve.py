@@ -8,9 +8,8 @@ import httpx
 import pytest
 
 from kvshare.engine.testing import make_tiny_model
-from kvshare.router.local import ServerProcess, free_port, router
-
 from .helpers import REPLICA_HEADER, set_policy, sse_events
+from .servers import ServerProcess, free_port, router
 
 pytestmark = pytest.mark.slow
 

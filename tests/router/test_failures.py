@@ -62,9 +62,7 @@ def test_no_healthy_replica_answers_503_with_a_clear_message(make_router):
     assert metric(base, "kvshare_router_unplaced_total") == 1
 
 
-@pytest.mark.parametrize(
-    "body", [b'{"max_tokens": 3}', b'{"prompt": "x", "max_tokens": -1}', b"this is not json"]
-)
+@pytest.mark.parametrize("body", [b'{"max_tokens": 3}', b'{"prompt": "x", "max_tokens": -1}'])
 def test_4xx_passes_through_untouched(make_router, replicas, body):
     base = make_router([replicas[0].url], "round-robin").url
     direct = httpx.post(f"{replicas[0].url}/v1/completions", content=body, timeout=10)

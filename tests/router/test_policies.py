@@ -8,7 +8,7 @@ from kvshare.router.config import RouterConfig
 from kvshare.router.policies import POLICIES, make_policy
 from kvshare.router.prefix import PrefixMemory, prompt_keys
 from kvshare.router.replicas import Replica
-from kvshare.router.request import RequestInfo, parse_request
+from kvshare.router.request import MalformedBody, RequestInfo, parse_request
 
 URLS = tuple(f"http://127.0.0.1:{9000 + i}" for i in range(4))
 
@@ -90,12 +90,27 @@ def test_prefix_memory_is_bounded_lru():
 
 
 def test_parse_request_session_and_prompt_forms():
-    assert parse_request({"x-session-id": "h"}, b'{"user": "u", "prompt": "hi"}') == RequestInfo("h", None, b"hi")
-    assert parse_request({}, b'{"user": "u", "prompt": [1, 2, 3]}') == RequestInfo("u", (1, 2, 3), b"")
-    assert parse_request({}, b'{"prompt": [[5, 6], [7]]}').prompt_ids == (5, 6)
-    chat = parse_request({}, b'{"messages": [{"role": "user", "content": "hello"}]}')
+    completions = "/v1/completions"
+    assert parse_request(completions, [("x-session-id", "h")], b'{"user": "u", "prompt": "hi"}') == RequestInfo(
+        "h", None, b"hi")
+    assert parse_request(completions, [], b'{"user": "u", "prompt": [1, 2, 3]}') == RequestInfo("u", (1, 2, 3), b"")
+    assert parse_request(completions, [], b'{"prompt": [[5, 6], [7]]}').prompt_ids == (5, 6)
+    chat = parse_request("/v1/chat/completions", [], b'{"messages": [{"role": "user", "content": "hello"}]}')
     assert chat.prompt_text == b"user\nhello\n\n"
-    assert parse_request({}, b"not json{") == RequestInfo()
+    assert parse_request("/v1/embeddings", [], b"not json{") == RequestInfo()  # other paths: placed without a prompt
+
+
+@pytest.mark.parametrize("body, says", [
+    (b"not json{", "not valid JSON"),
+    (b'{"prompt": "ab\\ud800cd"}', "not valid JSON"),  # a lone surrogate: no replica could encode it
+    (b'{"prompt": "ab\xed\xa0\x80cd"}', "not valid JSON"),  # the same as UTF-8 bytes
+    (b"[" * 100_000 + b"]" * 100_000, "too deeply"),
+    (b"[1, 2]", "must be a JSON object"),
+    (b"", "must be a JSON object"),
+])
+def test_generation_requests_with_unreadable_bodies_are_malformed(body, says):
+    with pytest.raises(MalformedBody, match=says):
+        parse_request("/v1/completions", [], body)
 
 
 def test_unknown_policy_names_the_valid_ones():
