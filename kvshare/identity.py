@@ -167,7 +167,11 @@ def _stat_key(path: Path) -> tuple[int, int, int]:
 
 @functools.lru_cache(maxsize=8)
 def _checkpoint_digest(path: Path, signature: tuple, threads: int) -> str:
-    files = weight_files(path)
+    return files_digest(weight_files(path), threads)
+
+
+def files_digest(files: list[Path], threads: int = HASH_THREADS) -> str:
+    """Identity of `files` in the order given: each one's name and file_digest (uncached)."""
     with ThreadPoolExecutor(threads, thread_name_prefix="kvshare-weights-hash") as executor:
         parts = [part for f in files for part in (f.name, file_digest(f, executor))]
     return "files:" + fingerprint(*parts)

@@ -1,17 +1,30 @@
-"""What the connector reads from vLLM's configuration: the pool address and chunk size, the KV layout, the namespace."""
+"""What the connector reads from vLLM's configuration: the pool address and chunk size, the KV layout, the namespace
+(and in it the model identity: docs/security.md, "Model identity")."""
 
 from __future__ import annotations
 
+import logging
+import time
+from pathlib import Path
+
+import huggingface_hub
+import torch
+import vllm
+from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 from vllm.config import VllmConfig
+from vllm.platforms import current_platform
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
 
+from kvshare import identity
 from kvshare.connector import ConnectorConfig
-from kvshare.keys import Namespace, fingerprint
+from kvshare.keys import Namespace
 from kvshare.transfer import KVLayout
+
+log = logging.getLogger("vllm.kvshare")  # under vLLM's logger, so its handlers show our lines
 
 # vLLM's resolved KVCacheLayout name -> the kvshare.transfer kind that reads it (see the package docstring).
 LAYOUT_KINDS = {"LBHNC": "vllm_lbhnc", "LBNHC": "vllm_lbnhc"}
-_EXTRA_KEYS = {"pool", "chunk_tokens", "timeout", "verify_checksums"}
+_EXTRA_KEYS = {"pool", "chunk_tokens", "timeout", "verify_checksums", "model_id"}
 
 
 def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
@@ -56,17 +69,68 @@ def expected_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
 
 
 def namespace(vllm_config: VllmConfig, layout: KVLayout, chunk_tokens: int) -> Namespace:
-    """Replicas of the same model folder/revision/config, dtype and KV layout share; anything else never does."""
-    model = vllm_config.model_config
+    """Replicas of the same model identity (config, weights' bytes, dtype, quantization, "model_id"), KV layout and
+    chunk size share; anything else never does."""
     if chunk_tokens % layout.block_size:
         raise ValueError(
             f"KVShareConnector chunk_tokens {chunk_tokens} must be a multiple of vLLM's block size "
             f"{layout.block_size}: set \"chunk_tokens\" in kv_connector_extra_config or --block-size"
         )
-    model_id = fingerprint("vllm", model.model, model.revision or "", model.hf_config.to_json_string())
     return Namespace(
-        model_fingerprint=model_id,
+        model_fingerprint=model_identity(vllm_config),
         dtype=str(layout.dtype).removeprefix("torch."),
         layout_id=layout.layout_id(),
         chunk_tokens=chunk_tokens,
     )
+
+
+def model_identity(vllm_config: VllmConfig) -> str:
+    """kvshare.identity.model_fingerprint of the config as vLLM resolved it (overrides included), the weights
+    (weights_identity), what vLLM computes them in (dtype, quantization) and the optional "model_id". The model's
+    path or repository name is not part of it: the same bytes under two paths share, other bytes under one never do.
+    Both connector halves run it; in one process the weight files are hashed once (identity.checkpoint_digest)."""
+    model = vllm_config.model_config
+    model_id = str((vllm_config.kv_transfer_config.kv_connector_extra_config or {}).get("model_id", ""))
+    computed = f"vllm/dtype={model.dtype}/quantization={model.quantization}"
+    weights = weights_identity(vllm_config, model_id)
+    return identity.model_fingerprint(model.hf_config.to_json_string().encode(), f"{weights}|{computed}", model_id)
+
+
+def weights_identity(vllm_config: VllmConfig, model_id: str) -> str:
+    """Dummy weights: vLLM draws them with a fixed seed (1234) on the worker's device, so what varies is vLLM's
+    version (its parameter layout) and the generator. Otherwise the checkpoint's weight files, found as vLLM finds
+    them: a local folder or file, or the Hugging Face cache snapshot of the repository and revision."""
+    if vllm_config.load_config.load_format == "dummy":
+        generator = identity.generator_identity(torch.device(current_platform.device_type))
+        return f"vllm-dummy:vllm-{vllm.__version__}/{generator}"
+    model = vllm_config.model_config
+    location = checkpoint_location(model.model, model.revision, vllm_config.load_config.download_dir)
+    try:
+        if location is None:
+            raise FileNotFoundError(f"{model.model} is neither a local path nor in the Hugging Face cache")
+        started = time.monotonic()
+        digest = identity.checkpoint_digest(location)
+    except FileNotFoundError as e:
+        if not model_id:
+            raise ValueError(
+                f"KVShareConnector cannot identify the weights of {model.model} ({e}): replicas must not share KV "
+                f"unless their weights match. Serve a local folder or a Hugging Face cache snapshot, or set "
+                f"\"model_id\" in kv_connector_extra_config to a name of these exact weights (e.g. a commit hash)"
+            ) from e
+        log.warning("kvshare: weights of %s not found (%s); the model identity rests on model_id %r alone",
+                    model.model, e, model_id)
+        return "declared"
+    log.info("kvshare: model identity of %s: %s (%.2f s)", location, digest[:24], time.monotonic() - started)
+    return digest
+
+
+def checkpoint_location(model: str, revision: str | None, cache_dir: str | None) -> Path | None:
+    """Where vLLM read the weights from: `model` if it is a local path, else the Hugging Face cache snapshot of the
+    repository at `revision` (found offline: vLLM downloaded it before any connector starts); None if neither."""
+    if Path(model).exists():
+        return Path(model)
+    try:
+        return Path(huggingface_hub.snapshot_download(model, revision=revision, cache_dir=cache_dir,
+                                                      local_files_only=True))
+    except (HFValidationError, LocalEntryNotFoundError):
+        return None
