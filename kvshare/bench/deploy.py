@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -162,6 +163,11 @@ class LocalDeployment:
         self.arm: str | None = None
         self.endpoints: Endpoints | None = None
         self._policy: str | None = None
+        # The router switches policy only for its admin token (kvshare.router.admin): one per deployment, in its tmp.
+        self.admin_token = secrets.token_hex(16)
+        self.admin_token_file = Path(self._tmp.name) / "router-admin-token"
+        self.admin_token_file.write_text(self.admin_token)
+        self.admin_token_file.chmod(0o600)
 
     def activate(self, arm: str, policy: str | None = None) -> Endpoints:
         if arm != self.arm:
@@ -219,7 +225,8 @@ class LocalDeployment:
     def _ensure_router(self, policy: str) -> None:
         if self.router is None or not self.router.alive():
             port = free_port()
-            argv = kvshare_argv("route", "--host", "127.0.0.1", "--port", str(port), "--policy", policy)
+            argv = kvshare_argv("route", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+                                "--admin-token-file", str(self.admin_token_file))
             for url in self.endpoints.replicas:
                 argv += ["--replica", url]
             self.router = ManagedProcess("router", argv, self.config.log_dir / f"router-{self.arm}.log")
@@ -227,7 +234,7 @@ class LocalDeployment:
             wait_http_ready(url, self.router, self.config.ready_timeout_s)
             self.endpoints = Endpoints(self.endpoints.replicas, url)
         else:
-            set_router_policy(self.endpoints.router, policy)
+            set_router_policy(self.endpoints.router, policy, self.admin_token)
         self._policy = policy
 
     def _start_pool(self) -> None:
@@ -261,9 +268,11 @@ class LocalDeployment:
         self.router, self.replicas, self.arm, self.endpoints = None, [], None, None
 
 
-def set_router_policy(router_url: str, policy: str) -> None:
+def set_router_policy(router_url: str, policy: str, admin_token: str | None = None) -> None:
+    headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
     try:
-        response = httpx.post(f"{router_url}/admin/policy", json={"policy": policy}, timeout=10.0, trust_env=False)
+        response = httpx.post(f"{router_url}/admin/policy", json={"policy": policy}, headers=headers, timeout=10.0,
+                              trust_env=False)
     except httpx.HTTPError as error:
         raise EndpointUnreachable(f"cannot reach the router at {router_url} to set policy {policy!r}: {error}") from error
     if response.status_code >= 400:

@@ -105,8 +105,9 @@ class GuardedH11Protocol(H11Protocol):
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to bytes h11 cannot parse, as JSON; headers over the size limit get 431."""
         if len(self.conn.trailing_data[0]) >= self.limits.max_header_bytes:
-            self._answer_and_close(431, f"the request's headers are larger than this server's limit of "
-                                        f"{self.limits.max_header_bytes} bytes (--max-header-size)", "headers_too_large")
+            limit = self.limits.max_header_bytes
+            self._answer_and_close(431, f"the request's headers are larger than this server's limit of {limit} bytes "
+                                        "(--max-header-size)", "headers_too_large")
         else:
             self._answer_and_close(400, f"invalid HTTP request ({msg})", "invalid_http")
 
