@@ -1,5 +1,6 @@
-"""The soak's processes: a pool, replicas A and B (pool ON), a reference replica R (pool OFF) and a router in front
-of A and B; each can be killed (SIGKILL, like a crash) and restarted on the same address.
+"""The soak's processes: a pool, replicas A and B (pool ON; A verifies loaded chunks' checksums, B does not, as in the
+H200 runs), a reference replica R (pool OFF) and a router in front of A and B; each can be killed (SIGKILL, like a
+crash) and restarted on the same address.
 
 Invariant: every process runs in its own process group and `close()` stops all of them and removes every arena
 file a pool life created, also after a crash of the soak itself.
@@ -28,6 +29,7 @@ class DeployConfig:
     lease_timeout_s: float = 4.0
     chunk_tokens: int = 32
     threads: int = 1
+    trusting: tuple[str, ...] = ("b",)  # replicas started with --no-verify-checksums: only the fences protect them
 
 
 class SoakDeployment:
@@ -75,6 +77,8 @@ class SoakDeployment:
         argv = kvshare_argv("serve", "--model", str(c.model_dir), "--host", "127.0.0.1", "--port",
                             str(self.ports[name]), "--threads", str(c.threads), "--chunk-tokens", str(c.chunk_tokens),
                             "--pool", "none" if name == "ref" else self.pool_socket)
+        if name in c.trusting:
+            argv.append("--no-verify-checksums")
         self.processes[name] = ManagedProcess(f"replica-{name}", argv, c.log_dir / f"replica-{name}.log")
         wait_http_ready(self.url(name), self.processes[name], READY_TIMEOUT_S)
 

@@ -1,6 +1,7 @@
 """The soak's fault injector: kill and restart the pool, kill a replica mid-stream and restart it, fill the arena,
-and stall a client holding leases until it dies. Run as `python -m kvshare.validate.faults stall ADDRESS` it is
-that stalled client.
+stall a client holding leases until it dies, and stop a writer (a reader) right after RESERVE (LOOKUP) until its
+lease has expired and others have stored, then let it finish its copy (I10). Run as `python -m
+kvshare.validate.faults stall|stall-writer|stall-reader ADDRESS` it is one of those stalled clients.
 
 Every fault is recorded with its time window, so a request that failed can be classified: only a request in
 flight on a killed replica may be lost; any other failure is an error of the system under test.
@@ -11,11 +12,14 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass
+
+import numpy as np
 
 import httpx
 import xxhash
@@ -23,8 +27,10 @@ import xxhash
 from kvshare.validate.deployment import SoakDeployment
 
 STALLER_REPORT_TIMEOUT_S = 30.0
-KINDS = ("pool_restart", "replica_kill", "fill_arena", "stall_client")
+KINDS = ("pool_restart", "replica_kill", "fill_arena", "stall_client", "stall_writer", "stall_reader")
 STALL_NAMESPACE = xxhash.xxh3_128_digest(b"kvshare/soak-staller")
+# What a resumed stalled writer or reader may say (its last line); anything else is a fence violation.
+FENCE_KEPT = {"stall_writer": "lease_expired", "stall_reader": "same"}
 FILL_NAMESPACE = xxhash.xxh3_128_digest(b"kvshare/soak-filler")
 
 
@@ -44,6 +50,7 @@ class Injector:
         self.d, self.period_s = deployment, period_s
         self.faults: list[Fault] = []
         self.lost_by_injector = 0  # the injector's own mid-stream requests on killed replicas
+        self.fence_violations = 0  # stalled writers whose late COMMIT was accepted, readers whose pages changed
         self.stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="soak-faults", daemon=True)
 
@@ -134,6 +141,36 @@ class Injector:
         return "pool", f"staller held {report.get('leased_pages', '?')} pages in {report.get('leases', '?')} leases"
 
 
+    def _stall_writer(self, n: int) -> tuple[str, str]:
+        return self._stopped_client("stall-writer", "stall_writer")
+
+    def _stall_reader(self, n: int) -> tuple[str, str]:
+        return self._stopped_client("stall-reader", "stall_reader")
+
+    def _stopped_client(self, mode: str, kind: str) -> tuple[str, str]:
+        """A client process that stops itself (SIGSTOP) holding a fresh lease; resumed once the lease has expired
+        while the workload went on storing (so the pool had every chance to hand its pages on), it finishes its copy
+        and reports whether the fence held."""
+        process = subprocess.Popen([sys.executable, "-m", "kvshare.validate.faults", mode, self.d.pool_socket],
+                                   stdout=subprocess.PIPE, text=True)
+        try:
+            ready, _, _ = select.select([process.stdout], [], [], STALLER_REPORT_TIMEOUT_S)
+            held = process.stdout.readline().strip() if ready else ""
+            time.sleep(self.d.config.lease_timeout_s + 2.0)
+            process.send_signal(signal.SIGCONT)
+            ready, _, _ = select.select([process.stdout], [], [], STALLER_REPORT_TIMEOUT_S)
+            verdict = process.stdout.readline().strip() if ready else "no answer"
+        finally:
+            process.kill()
+            process.wait()
+        if not held:
+            return "pool", f"{mode} never got its lease (pool busy or restarting)"
+        if verdict != FENCE_KEPT[kind]:
+            self.fence_violations += 1
+            return "pool", f"FENCE VIOLATED: {held}, resumed: {verdict}"
+        return "pool", f"{held}, resumed: {verdict}"
+
+
 def _junk_chunks(namespace: bytes, tag: str, count: int, nbytes: int):
     from kvshare.pool.client import NewChunk
 
@@ -159,6 +196,47 @@ def stall(address: str) -> None:
     threading.Event().wait()  # stalled: holds its leases and its connection until killed
 
 
+def stall_writer(address: str) -> None:
+    """RESERVE a few pages, report, stop; once continued, write noise into every reserved page, then COMMIT and
+    print the outcome ("lease_expired" when the pool fenced the expired lease, "committed" if it accepted it)."""
+    from kvshare.pool.client import PoolClient, PoolError
+
+    with PoolClient.connect(address) as client:
+        client.hello(STALL_NAMESPACE, "soak stalled writer")
+        r = client.reserve(STALL_NAMESPACE, _junk_chunks(STALL_NAMESPACE, f"writer-{os.getpid()}", 4, client.page_size))
+        print(f"reserved {sum(ref is not None for ref in r.chunks)} pages", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        noise = np.random.default_rng(os.getpid()).integers(0, 256, client.page_size, dtype=np.uint8)
+        for ref in r.chunks:
+            client.write(ref, noise)
+        try:
+            client.commit(r.lease, [0] * len(r.chunks))
+            print("committed", flush=True)
+        except PoolError as error:
+            print(error.code, flush=True)
+
+
+def stall_reader(address: str) -> None:
+    """Store a few chunks, LOOKUP them (read lease), read them, report, stop; once continued, read again and print
+    "same" if the bytes did not change under the lease (the fence kept them from eviction and reuse), else
+    "changed"."""
+    from kvshare.pool.client import PoolClient
+
+    with PoolClient.connect(address) as client:
+        client.hello(STALL_NAMESPACE, "soak stalled reader")
+        chunks = _junk_chunks(STALL_NAMESPACE, f"reader-{os.getpid()}", 4, client.page_size)
+        r = client.reserve(STALL_NAMESPACE, chunks)
+        for ref in r.chunks:
+            client.write(ref, os.urandom(client.page_size))
+        client.commit(r.lease, [0] * len(r.chunks))
+        found = client.lookup(STALL_NAMESPACE, [c.key for c in chunks], [b""] * len(chunks))
+        before = [client.read(ref).tobytes() for ref in found.chunks]
+        print(f"read-leased {len(found.chunks)} pages", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        after = [client.read(ref).tobytes() for ref in found.chunks]
+        print("same" if after == before else "changed", flush=True)
+        client.release(found.lease)
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["stall"]:
-        stall(sys.argv[2])
+    {"stall": stall, "stall-writer": stall_writer, "stall-reader": stall_reader}[sys.argv[1]](sys.argv[2])

@@ -1,8 +1,9 @@
 """`kvshare validate soak`: a bounded end-to-end run under injected faults (pool, two replicas, router, tiny model on
 CPU) that checks every completed answer against a cache-OFF reference and ends with a leak check of the pool.
 
-Pass criteria (SoakResult.passed): no mismatch, no failed request except those in flight on a killed replica, and
-after a quiet period past the lease timeout no leased or reserved page in the pool and its integrity check passing.
+Pass criteria (SoakResult.passed): no mismatch, no failed request except those in flight on a killed replica, every
+stalled writer's late COMMIT refused and every stalled reader's pages unchanged (I10), and after a quiet period past
+the lease timeout no leased, reserved or quarantined page in the pool and its integrity check passing.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ class SoakResult(msgspec.Struct):
     request_errors: int  # failed outside any replica kill: must be 0
     faults: dict[str, int]
     fault_log: list[dict]
-    leaked_pages: int  # reserved pages after the quiet period
-    leaked_leases: int  # read + write leases after the quiet period
+    leaked_pages: int  # reserved and quarantined pages after the quiet period
+    leaked_leases: int  # read + write leases (fenced ones included) after the quiet period
+    fence_violations: int  # stalled writers whose late COMMIT was accepted, stalled readers whose pages changed
     leased_pages_by_client: dict[int, int]
     integrity_ok: bool
     final_pool: dict  # the last pool life's stats (hits prove the replicas reconnected)
@@ -67,7 +69,8 @@ class SoakResult(msgspec.Struct):
     @property
     def passed(self) -> bool:
         return (self.mismatches == 0 and self.request_errors == 0 and self.leaked_pages == 0
-                and self.leaked_leases == 0 and self.integrity_ok and self.requests_served > 0)
+                and self.leaked_leases == 0 and self.fence_violations == 0 and self.integrity_ok
+                and self.requests_served > 0)
 
 
 class _Tally:
@@ -156,7 +159,8 @@ def _result(config: SoakConfig, tally: _Tally, injector: Injector, d: SoakDeploy
         requests_with_pool_hits=sum(o.pool_hit_tokens > 0 for o in served), mismatches=len(tally.mismatches),
         requests_lost=len(lost) + injector.lost_by_injector, request_errors=len(errors), faults=counts,
         fault_log=[_fault_row(f, injector.faults[0].started if injector.faults else 0) for f in injector.faults],
-        leaked_pages=stats.pages_reserved, leaked_leases=stats.read_leases + stats.write_leases,
+        leaked_pages=stats.pages_reserved + stats.pages_quarantined, leaked_leases=stats.read_leases + stats.write_leases,
+        fence_violations=injector.fence_violations,
         leased_pages_by_client=stats.leased_pages_by_client, integrity_ok=integrity,
         final_pool=msgspec.to_builtins(stats), mismatch_examples=tally.mismatches[:MAX_REPORTED],
         error_examples=[o.error for o in errors[:MAX_REPORTED]],
@@ -183,7 +187,9 @@ def markdown(result: SoakResult, command: str) -> str:
         "| what | value |", "| --- | --- |",
         f"| requests sent / served (streamed) | {r.requests_sent} / {r.requests_served} ({r.streamed_served}) |",
         f"| answers with pool hits / pool hit tokens | {r.requests_with_pool_hits} / {r.pool_hit_tokens} |",
-        f"| mismatches vs cache-OFF reference | {r.mismatches} |",
+        f"| mismatches vs cache-OFF reference (replica A verifies checksums, B does not) | {r.mismatches} |",
+        f"| fence violations (stalled writer's late COMMIT accepted, stalled reader's pages changed) | "
+        f"{r.fence_violations} |",
         f"| requests lost (in flight on a killed replica) | {r.requests_lost} |",
         f"| request errors (anything else) | {r.request_errors} |",
         f"| faults | {', '.join(f'{k} {v}' for k, v in r.faults.items())} |",
