@@ -113,6 +113,21 @@ def weight_files(path: Path) -> list[Path]:
     return sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
 
 
+def checkpoint_location(model: str, revision: str | None, cache_dir: str | None) -> Path | None:
+    """Where an engine given `model` read the weights: `model` itself if it is a local path, else the Hugging Face
+    cache snapshot of that repository at `revision` (found offline: the engine downloaded it before loading); None if
+    neither."""
+    if Path(model).exists():
+        return Path(model)
+    from huggingface_hub import snapshot_download  # here: `kvshare serve` never needs the hub client
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(model, revision=revision, cache_dir=cache_dir, local_files_only=True))
+    except (HFValidationError, LocalEntryNotFoundError):
+        return None
+
+
 def hub_blob_name(path: Path) -> str | None:
     """The content hash a Hugging Face cache snapshot names `path` by, or None if `path` is not such a file.
 

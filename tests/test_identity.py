@@ -86,6 +86,16 @@ def test_hub_snapshot_is_identified_by_blob_names(tmp_path):
     assert checkpoint_digest(plain) != checkpoint_digest(base)
 
 
+def test_a_repository_id_is_found_in_the_hub_cache_at_its_revision(tmp_path):
+    old = hub_snapshot(tmp_path, "org/m", "a" * 40, {"model.safetensors": b"old weights"})
+    new = hub_snapshot(tmp_path, "org/m", "b" * 40, {"model.safetensors": b"new weights"})
+    write(tmp_path / "models--org--m" / "refs" / "main", b"b" * 40)  # main moved to the new commit
+    assert identity.checkpoint_location("org/m", None, str(tmp_path)) == new
+    assert identity.checkpoint_location("org/m", "a" * 40, str(tmp_path)) == old
+    assert identity.checkpoint_location("org/other", None, str(tmp_path)) is None
+    assert identity.checkpoint_location(str(old), None, None) == old  # a local path is itself
+
+
 def test_tensor_digests_cover_names_dtypes_shapes_and_bytes_in_any_order():
     def digest(tensors: dict[str, torch.Tensor], order=None) -> str:
         with TensorDigests(threads=2) as digests:

@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
-import huggingface_hub
 import torch
 import vllm
-from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 from vllm.config import VllmConfig
 from vllm.platforms import current_platform
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
@@ -104,7 +101,7 @@ def weights_identity(vllm_config: VllmConfig, model_id: str) -> str:
         generator = identity.generator_identity(torch.device(current_platform.device_type))
         return f"vllm-dummy:vllm-{vllm.__version__}/{generator}"
     model = vllm_config.model_config
-    location = checkpoint_location(model.model, model.revision, vllm_config.load_config.download_dir)
+    location = identity.checkpoint_location(model.model, model.revision, vllm_config.load_config.download_dir)
     try:
         if location is None:
             raise FileNotFoundError(f"{model.model} is neither a local path nor in the Hugging Face cache")
@@ -122,15 +119,3 @@ def weights_identity(vllm_config: VllmConfig, model_id: str) -> str:
         return "declared"
     log.info("kvshare: model identity of %s: %s (%.2f s)", location, digest[:24], time.monotonic() - started)
     return digest
-
-
-def checkpoint_location(model: str, revision: str | None, cache_dir: str | None) -> Path | None:
-    """Where vLLM read the weights from: `model` if it is a local path, else the Hugging Face cache snapshot of the
-    repository at `revision` (found offline: vLLM downloaded it before any connector starts); None if neither."""
-    if Path(model).exists():
-        return Path(model)
-    try:
-        return Path(huggingface_hub.snapshot_download(model, revision=revision, cache_dir=cache_dir,
-                                                      local_files_only=True))
-    except (HFValidationError, LocalEntryNotFoundError):
-        return None
