@@ -3,10 +3,12 @@
 `python -m kvshare.router.stub --name A --port 8001` serves /health, /v1/models, /v1/completions and
 /v1/chat/completions. Every response (JSON or each SSE event) carries `"replica": NAME` and SSE events a running
 `"seq"`, so a test can see where a request went and that a stream arrived whole and in order. A request body may
-carry `"stub": {"status": 503}` (answer that status), `{"fail_after": K}` (drop the connection after K events) or
-`{"hold_after": K}` (after K events, wait for `POST /stub/release`), optionally with `"only": NAME` so that only the
-replica of that name obeys; `POST /stub/health {"ok": false}` makes /health answer 503. Bad input (no prompt/messages, max_tokens < 0,
-body not JSON) gets an OpenAI-style 400, as a real replica would.
+carry `"stub": {"status": 503}` (answer that status; with `"request_caused": true` also the header by which a replica
+marks a failure as the request's own), `{"fail_after": K}` (drop the connection after K events) or
+`{"hold_after": K}` (after K events, wait for `POST /stub/release`) or `{"echo_headers": true}` (the request headers
+it received, as `"headers": [[name, value], ...]`), optionally with `"only": NAME` so that only the replica of that
+name obeys; `POST /stub/health {"ok": false}` makes /health answer 503. Bad input (no prompt/messages,
+max_tokens < 0, body not JSON) gets an OpenAI-style 400, as a real replica would.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvshare.engine.openai_schema import ERROR_CAUSE_HEADER, REQUEST_CAUSED
 
 
 def create_stub_app(name: str, first_token_delay_s: float = 0.0, token_interval_s: float = 0.0) -> FastAPI:
@@ -63,14 +67,18 @@ def create_stub_app(name: str, first_token_delay_s: float = 0.0, token_interval_
         if control.get("only", name) != name:
             control = {}
         if control.get("status"):
-            return JSONResponse({"error": {"message": f"stub told to answer {control['status']}"}}, control["status"])
+            headers = {ERROR_CAUSE_HEADER: REQUEST_CAUSED} if control.get("request_caused") else {}
+            return JSONResponse({"error": {"message": f"stub told to answer {control['status']}"}}, control["status"],
+                                headers=headers)
         tokens = int(body.get("max_tokens", 4))
         if body.get("stream"):
             events = _events(name, body, tokens, control, state, first_token_delay_s, token_interval_s)
             return StreamingResponse(events, media_type="text/event-stream")
         await asyncio.sleep(first_token_delay_s)
         text = "".join(f"t{i} " for i in range(tokens))
-        return JSONResponse({**_completion(name, body), "choices": [{"index": 0, "text": text}], **_usage(body, tokens)})
+        echoed = {"headers": [[k, v] for k, v in request.headers.items()]} if control.get("echo_headers") else {}
+        return JSONResponse({**_completion(name, body), "choices": [{"index": 0, "text": text}], **_usage(body, tokens),
+                             **echoed})
 
     return app
 

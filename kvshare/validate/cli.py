@@ -21,6 +21,19 @@ def register(cli) -> None:
     soak.add_argument("--markdown", default="", metavar="PATH", help="write a short report as Markdown")
     soak.set_defaults(run=_soak)
 
+    hostile = cli.command("hostile", "hostile HTTP clients against a running deployment (malformed and oversized "
+                          "requests, stalled and unread connections, poisoned sampling): a table of attack, expected, "
+                          "observed, verdict; exit 1 if any attack is not handled", group="validate")
+    hostile.add_argument("--replica", metavar="URL", help="a replica's base URL (kvshare serve or vLLM)")
+    hostile.add_argument("--router", metavar="URL", help="a router's base URL (kvshare route)")
+    hostile.add_argument("--pool", metavar="ADDR", help="the pool's socket or HOST:PORT (pool attacks: not yet)")
+    hostile.add_argument("--patience", type=float, default=40.0, metavar="S",
+                         help="how long an attack waits for a server to time out or drop a client; above the "
+                              "servers' --header-timeout, --body-timeout and --write-timeout (default: %(default)s)")
+    hostile.add_argument("--body-size", default="64MiB", metavar="SIZE",
+                         help="the most an oversized-body attack sends (default: %(default)s)")
+    hostile.set_defaults(run=_hostile)
+
 
 def _soak(args: argparse.Namespace) -> int:
     import msgspec
@@ -41,3 +54,13 @@ def _soak(args: argparse.Namespace) -> int:
         with open(args.markdown, "w") as f:
             f.write(report)
     return 0 if result.passed else 1
+
+
+def _hostile(args: argparse.Namespace) -> int:
+    from kvshare.units import parse_size
+    from kvshare.validate.hostile import run_hostile
+
+    if not (args.replica or args.router):
+        print("kvshare validate hostile: give --replica URL and/or --router URL")
+        return 2
+    return run_hostile(args.replica, args.router, args.pool, args.patience, parse_size(args.body_size))

@@ -21,6 +21,7 @@ from kvshare.router.local import free_port
 
 EOS = 256
 FAIL = ord("!")  # a prompt starting with "!" makes the engine report an error
+FAIL_ALONE = ord("?")  # ... with "?", an error marked as the request's own (it failed alone; others went on)
 
 
 class ByteTokenizer:
@@ -83,8 +84,9 @@ class EchoEngine:
     def _generate(self, request: GenerationRequest, callback) -> None:
         prompt, sampling, rid = request.prompt_ids, request.sampling, request.request_id
         usage = lambda n: Usage(len(prompt), n, *self.hits)  # noqa: E731
-        if prompt[0] == FAIL:
-            return callback(TokenEvent(rid, None, True, "error", usage(0), error="echo engine told to fail"))
+        if prompt[0] in (FAIL, FAIL_ALONE):
+            return callback(TokenEvent(rid, None, True, "error", usage(0), error="echo engine told to fail",
+                                       request_caused=prompt[0] == FAIL_ALONE))
         for n in range(sampling.max_tokens):
             time.sleep(self.delay)
             with self._lock:
@@ -230,8 +232,17 @@ def test_usage_reports_cached_tokens_and_kvshare_hits(url):
 def test_engine_error_is_reported_not_hung(url):
     response = complete(url, prompt="!boom", max_tokens=4)
     assert response.status_code == 500 and "echo engine told to fail" in response.json()["error"]["message"]
+    assert "x-kvshare-error-cause" not in response.headers  # the replica may be at fault: a router may retry
     chunks = stream_completion(url, prompt="!boom", max_tokens=4)
     assert "echo engine told to fail" in chunks[-1]["error"]["message"]
+
+
+def test_a_request_that_failed_alone_is_marked_so_a_router_does_not_retry_it(url):
+    response = complete(url, prompt="?boom", max_tokens=4)
+    assert response.status_code == 500 and response.headers["x-kvshare-error-cause"] == "request"
+    assert response.json()["error"]["code"] == "request_failed"
+    chunks = stream_completion(url, prompt="?boom", max_tokens=4)
+    assert chunks[-1]["error"]["code"] == "request_failed"
 
 
 # ------------------------------------------------------------------------------------------------ chat
