@@ -64,3 +64,13 @@ def test_dummy_identity_names_seed_dtype_and_device_type(tiny_model, monkeypatch
     loaded = load_model(tiny_model, "dummy", "cpu", torch.bfloat16, seed=0)
     config = (tiny_model / "config.json").read_bytes()
     assert loaded.fingerprint == model_fingerprint(config, cpu) != model_fingerprint(config, cuda)
+
+
+def test_serve_model_id_flag_reaches_the_engines_fingerprint(tiny_model, make_engine):
+    from kvshare.cli import build
+    from kvshare.engine.cli import engine_config
+
+    args = build().parser.parse_args(["serve", "--model", str(tiny_model), "--model-id", "rev-7"])
+    assert engine_config(args).model_id == "rev-7"
+    plain, named = make_engine(), make_engine(model_id="rev-7")
+    assert named.model_fingerprint == fingerprint_of(tiny_model, model_id="rev-7") != plain.model_fingerprint
