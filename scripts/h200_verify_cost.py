@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -119,7 +120,7 @@ def probe(args) -> None:
 
     from kvshare import checksum
     from kvshare.pool.client import PoolClient
-    from kvshare.transfer.checksum import HASH_THREADS, _hashers
+    from kvshare.transfer.checksum import HASH_THREADS
     from kvshare.transfer.hostmem import register_pages
 
     client = PoolClient.connect(args.pool)
@@ -163,11 +164,18 @@ def probe(args) -> None:
     result["host_hash_1thread_gb_s"] = one.size / timed(lambda: checksum.checksum(one), 2) / 1e9
     result["xxh3_1thread_gb_s"] = one.size / timed(lambda: xxhash.xxh3_64_intdigest(one), 2) / 1e9
     per_chunk = max(1, (64 << 20) // client.page_size)
-    chunks = [arena[i : i + per_chunk].reshape(-1) for i in range(0, n, per_chunk)]
-    pool = _hashers()
-    result["host_hash_threads"] = HASH_THREADS
-    result["host_hash_threads_gb_s"] = size / timed(lambda: list(pool.map(checksum.checksum, chunks)), 2) / 1e9
-    result["xxh3_threads_gb_s"] = size / timed(lambda: list(pool.map(xxhash.xxh3_64_intdigest, chunks)), 2) / 1e9
+    chunks = [[arena[p] for p in range(i, min(i + per_chunk, len(one) // client.page_size))]
+              for i in range(0, len(one) // client.page_size, per_chunk)]  # 64 MiB chunks as page lists, 1 GiB
+    default_batch = checksum._BATCH_BLOCKS
+    for threads in (1, 4, HASH_THREADS):  # how the numpy path scales with threads (the GIL), by numpy pass size
+        with ThreadPoolExecutor(threads) as pool:
+            for batch in sorted({1, 4, default_batch}):
+                checksum._BATCH_BLOCKS = batch
+                rate = one.size / timed(lambda: list(pool.map(checksum.parts_checksum, chunks)), 2) / 1e9
+                result[f"host_hash_batch{batch}_threads{threads}_gb_s"] = rate
+            result[f"xxh3_threads{threads}_gb_s"] = one.size / timed(
+                lambda: list(pool.map(lambda c: [xxhash.xxh3_64_intdigest(p) for p in c], chunks)), 2) / 1e9
+    checksum._BATCH_BLOCKS = default_batch
     Path(args.rows).with_name("probe.json").write_text(json.dumps(result, indent=2))
     print("probe:", json.dumps(result), flush=True)
 
