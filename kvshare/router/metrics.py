@@ -17,7 +17,8 @@ class RouterMetrics:
         )
         self.errors = Counter(
             "kvshare_router_errors",
-            "failed attempts: connect (before first byte, retried), status_5xx, stream (after first byte)",
+            "failed attempts: connect (before first byte, retried), status_5xx (retried), request_5xx (the "
+            "request's own failure, relayed, not retried), stream (after first byte)",
             ["replica", "kind"],
             registry=self.registry,
         )
