@@ -48,7 +48,11 @@ class RouterApp:
         except MalformedBody as error:
             await error_response(400, str(error), "invalid_request_error", "invalid_body")(scope, receive, send)
             return
-        response = await self.proxy.forward(scope["method"], scope["path"], query, headers, body, info)
+        try:
+            response = await self.proxy.forward(scope["method"], scope["path"], query, headers, body, info)
+        except Exception as error:  # noqa: BLE001 - a bug answers JSON, as every other error does
+            log.exception("unexpected error forwarding %s %s", scope["method"], scope["path"])
+            response = error_response(500, f"internal error: {type(error).__name__}", "server_error")
         await response(scope, receive, send)
 
 

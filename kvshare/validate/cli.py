@@ -28,8 +28,10 @@ def register(cli) -> None:
     hostile.add_argument("--router", metavar="URL", help="a router's base URL (kvshare route)")
     hostile.add_argument("--pool", metavar="ADDR", help="the pool's socket or HOST:PORT (pool attacks: not yet)")
     hostile.add_argument("--patience", type=float, default=40.0, metavar="S",
-                         help="how long an attack waits for a server to time out or drop a client; above the "
-                              "servers' --header-timeout, --body-timeout and --write-timeout (default: %(default)s)")
+                         help="how long an attack waits for a server to time out or drop a client: above the "
+                              "servers' --header-timeout, --body-timeout and --write-timeout, plus, for the unread "
+                              "stream, the time the model takes to generate what fills the server's --send-buffer "
+                              "(~2k tokens at the default) (default: %(default)s)")
     hostile.add_argument("--body-size", default="64MiB", metavar="SIZE",
                          help="the most an oversized-body attack sends (default: %(default)s)")
     hostile.set_defaults(run=_hostile)

@@ -5,7 +5,8 @@ Each attack is a small typed object (`Attack`: a name, the targets it applies to
 `ATTACKS`; pool attacks will join the list with target "pool". Every attack is bounded in time (`patience_s` and
 socket timeouts) and load (a few requests, at most `body_bytes` sent), so it can run against a live deployment. The
 attacks that watch a timeout need the server's timeout below `patience_s` (kvshare's defaults: 10 s for headers, 30 s
-for bodies and writes: use --patience 40, or start the servers with shorter timeouts).
+for bodies and writes: use --patience 40, or start the servers with shorter timeouts); the unread-stream attack also
+needs the model to generate, within that time, what fills the server's send buffer (~2k SSE chunks at 256 KiB).
 """
 
 from __future__ import annotations
