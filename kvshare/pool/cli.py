@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvshare.pool.config import PoolConfig
 from kvshare.pool.l2 import cli as l2_cli
+from kvshare.units import format_size
 
 SERVE_HELP = """Run the shared host-memory KV pool: create the arena file, prepare its memory in the background
 (the pool serves at once; usable capacity grows until a "ready" line is printed), and answer the control protocol
@@ -26,8 +28,9 @@ def register(cli) -> None:
                        "fewer page faults; page size must be a multiple of the huge page size")
     serve.add_argument("--tcp", default="", metavar="HOST:PORT", help="also listen on TCP (needs --token-file)")
     serve.add_argument("--token-file", default="", help="file holding the shared token TCP clients must send first")
-    serve.add_argument("--lease-timeout", type=float, default=30.0, help="seconds after which a lease ends even if "
-                       "its client never releases it (default 30)")
+    serve.add_argument("--lease-timeout", type=float, default=30.0, help="seconds after which a lease loses its "
+                       "rights if its client never releases it; its pages stay fenced until the client finishes or "
+                       "exits (default 30)")
     serve.add_argument("--high-watermark", type=float, default=0.95, help="used fraction above which RESERVE evicts "
                        "least recently used unleased chunks (default 0.95)")
     serve.add_argument("--low-watermark", type=float, default=0.90, help="used fraction eviction brings the pool "
@@ -37,6 +40,26 @@ def register(cli) -> None:
     serve.add_argument("--max-leased-pages-per-client", type=int, default=-1, metavar="PAGES", help="pages one "
                        "connection may hold under leases at once; beyond it LOOKUP returns a shorter prefix and "
                        "RESERVE answers lease_limit (default -1: half the arena; 0: no limit)")
+    limits = serve.add_argument_group("limits (one client cannot hurt the others; docs/security.md)")
+    d = PoolConfig.__dataclass_fields__  # the defaults live in PoolConfig; help shows them
+    limits.add_argument("--max-frame", default=format_size(d["max_frame"].default), help="largest request frame; a "
+                        "larger header closes the connection unread (default %(default)s)")
+    limits.add_argument("--max-buffered", default=format_size(d["max_buffered"].default), help="frames being received, "
+                        "all connections together; more wait until others are handled (default %(default)s)")
+    limits.add_argument("--frame-timeout", type=float, default=d["frame_timeout"].default, metavar="S",
+                        help="seconds from a frame's header to its last byte (default %(default)s)")
+    limits.add_argument("--max-connections", type=int, default=d["max_connections"].default, help="connections at "
+                        "once; more are answered busy and closed (default %(default)s)")
+    limits.add_argument("--auth-timeout", type=float, default=d["auth_timeout"].default, metavar="S", help="TCP: "
+                        "seconds to send ATTACH with the token (default %(default)s)")
+    limits.add_argument("--max-auth-frame", type=int, default=d["max_auth_frame"].default, metavar="BYTES",
+                        help="TCP: largest frame before authentication (default %(default)s)")
+    limits.add_argument("--max-keys", type=int, default=d["max_keys"].default, help="keys (chunks, checksums) in one "
+                        "request (default %(default)s)")
+    limits.add_argument("--max-description", type=int, default=d["max_description"].default, metavar="BYTES",
+                        help="bytes of a HELLO description (default %(default)s)")
+    limits.add_argument("--max-namespaces", type=int, default=d["max_namespaces"].default, help="namespaces in use at "
+                        "once; unused ones are reclaimed (default %(default)s)")
     serve.add_argument("--keep", action="store_true", help="keep the socket and arena files at shutdown")
     serve.add_argument("--check-integrity", action="store_true", help="debug: verify the pool's bookkeeping after "
                        "every request that changes it (slow for big pools)")
@@ -70,7 +93,6 @@ def register(cli) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from kvshare.pool.arena import ArenaError
-    from kvshare.pool.config import PoolConfig
     from kvshare.pool.server import serve
     from kvshare.units import parse_size
 
@@ -82,6 +104,10 @@ def _serve(args: argparse.Namespace) -> int:
             high_watermark=args.high_watermark, low_watermark=args.low_watermark, keep=args.keep,
             check_integrity=args.check_integrity, group=args.group,
             max_leased_pages_per_client=args.max_leased_pages_per_client, l2=l2_cli.config_from(args),
+            max_frame=parse_size(args.max_frame), max_buffered=parse_size(args.max_buffered),
+            frame_timeout=args.frame_timeout, max_connections=args.max_connections, auth_timeout=args.auth_timeout,
+            max_auth_frame=args.max_auth_frame, max_keys=args.max_keys, max_description=args.max_description,
+            max_namespaces=args.max_namespaces,
         )
         return serve(config)
     except (ValueError, ArenaError, RuntimeError, OSError) as error:

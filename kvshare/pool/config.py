@@ -9,7 +9,11 @@ from kvshare.pool.l2.config import L2Config
 
 MiB = 1 << 20
 DEFAULT_PAGE_SIZE = 2 * MiB
-DEFAULT_MAX_FRAME = 64 * MiB  # a 256k-token LOOKUP carries ~1 MiB of tokens; 64x headroom
+# Limits that keep one client from hurting the others (docs/security.md lists them). Sizes of honest requests: a
+# 256k-token LOOKUP or RESERVE of 256-token chunks is ~1.1 MiB and 1,024 keys; 1M tokens ~4.5 MiB, 4,096 keys.
+DEFAULT_MAX_FRAME = 16 * MiB
+DEFAULT_MAX_BUFFERED = 64 * MiB  # all connections' frames being received, together
+DEFAULT_MAX_KEYS = 16384  # per LOOKUP/RESERVE/COMMIT/DISCARD: ~45 ms of RESERVE on the 2-core build machine
 
 
 @dataclass(frozen=True)
@@ -25,7 +29,15 @@ class PoolConfig:
     high_watermark: float = 0.95
     low_watermark: float = 0.90
     keep: bool = False  # keep socket and arena files at shutdown
-    max_frame: int = DEFAULT_MAX_FRAME
+    max_frame: int = DEFAULT_MAX_FRAME  # bytes of one frame; a larger header closes the connection unread
+    max_buffered: int = DEFAULT_MAX_BUFFERED  # frames beyond it wait (reading paused) until others are handled
+    frame_timeout: float = 10.0  # seconds from a frame's header to its last byte; slower connections are closed
+    max_connections: int = 4096  # more are answered `busy` and closed
+    auth_timeout: float = 5.0  # TCP: seconds to send ATTACH with the token before the connection is closed
+    max_auth_frame: int = 4096  # TCP: bytes of a frame before authentication; a larger header closes the connection
+    max_keys: int = DEFAULT_MAX_KEYS  # keys (chunks, checksums) in one request
+    max_description: int = 1024  # bytes of a HELLO description
+    max_namespaces: int = 1024  # namespaces in use (by a connection or a chunk); unused ones are reclaimed
     check_integrity: bool = False  # debug: run check_integrity() after every request that changes state
     prepare_threads: int = 0  # 0 -> min(os.cpu_count(), 16)
     l2: L2Config | None = None  # --l2 and the --l2-* flags; None: no L2 tier
@@ -48,6 +60,15 @@ class PoolConfig:
         if self.max_leased_pages_per_client < -1:
             raise ValueError("--max-leased-pages-per-client must be -1 (half the arena), 0 (no limit) or a page count, "
                              f"got {self.max_leased_pages_per_client}")
+        for name in ("max_frame", "max_buffered", "max_connections", "max_auth_frame", "max_keys", "max_description",
+                     "max_namespaces"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.frame_timeout <= 0 or self.auth_timeout <= 0:
+            raise ValueError("--frame-timeout and --auth-timeout must be positive")
+        if self.max_buffered < self.max_frame:
+            raise ValueError(f"--max-buffered ({self.max_buffered}) must hold at least one frame of --max-frame "
+                             f"({self.max_frame})")
         if self.tcp and not self.token:
             raise ValueError("--tcp needs a shared token: pass --token-file FILE (clients send it in their first message)")
 

@@ -10,7 +10,7 @@ pages (I3), which are freed when its last reader ends.
 from __future__ import annotations
 
 import struct
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from kvshare.pool.protocol import CHUNK_RECORD
@@ -42,6 +42,7 @@ class ChunkIndex:
     pages_committed: int = 0
     pages_reserved: int = 0
     pages_condemned: int = 0
+    chunks_of: Counter = field(default_factory=Counter)  # namespace -> its reserved and committed chunks
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.committed or key in self.reserved
@@ -50,10 +51,12 @@ class ChunkIndex:
         entry.page_bytes = struct.pack(f"<{len(entry.pages)}I", *entry.pages)
         self.reserved[entry.key] = entry
         self.pages_reserved += len(entry.pages)
+        self.chunks_of[entry.namespace] += 1
 
     def drop_reserved(self, key: bytes) -> Entry:
         entry = self.reserved.pop(key)
         self.pages_reserved -= len(entry.pages)
+        self._uncount(entry.namespace)
         return entry
 
     def commit(self, key: bytes, checksum: int) -> Entry:
@@ -63,6 +66,7 @@ class ChunkIndex:
         entry.record = CHUNK_RECORD.pack(entry.nbytes, checksum, len(entry.pages))
         self.committed[key] = entry
         self.pages_committed += len(entry.pages)
+        self.chunks_of[entry.namespace] += 1
         self.bytes_stored += entry.nbytes
         return entry
 
@@ -94,4 +98,12 @@ class ChunkIndex:
         entry = self.committed.pop(key)
         self.pages_committed -= len(entry.pages)
         self.bytes_stored -= entry.nbytes
+        self._uncount(entry.namespace)
         return entry
+
+    def _uncount(self, namespace: bytes) -> None:
+        left = self.chunks_of[namespace] - 1
+        if left:
+            self.chunks_of[namespace] = left
+        else:
+            del self.chunks_of[namespace]

@@ -36,6 +36,8 @@ class ErrorCode:
     INTEGRITY = "integrity"  # debug check failed after a request: a server bug
     INTERNAL = "internal"
     VERSION = "version"  # ATTACH from a client speaking another PROTOCOL_VERSION (connect fails with this code)
+    BUSY = "busy"  # the pool has --max-connections connections; the server closes this one
+    LIMIT = "limit"  # a request over a --max-* limit (keys per request, description, namespaces)
 
 
 # ---- requests ------------------------------------------------------------------------------------------------
@@ -212,6 +214,85 @@ AnyReply = Union[ArenaInfo, Ok, LookupReply, ReserveReply, StatsReply, HealthRep
 
 request_decoder = msgspec.msgpack.Decoder(AnyRequest)
 reply_decoder = msgspec.msgpack.Decoder(AnyReply)
+
+
+# ---- the server's decoding: list fields counted before they are decoded ---------------------------------------
+#
+# A LOOKUP of 3.4M keys is a 54 MB frame that decodes into millions of objects (and seconds of the loop). The server
+# decodes requests in two steps: the variants below take each per-key list as raw msgpack (zero copy), the server
+# reads the list's length from its header and refuses it over --max-keys, and only then decodes its items. Same
+# tags and field names as the requests above: the wire format is theirs.
+
+
+class LimitExceeded(ValueError):
+    """A request over one of the server's --max-* limits (an Error reply with ErrorCode.LIMIT)."""
+
+
+class _RawLookup(Request, tag="Lookup"):
+    namespace: bytes
+    keys: msgspec.Raw
+    tokens: memoryview
+    token_lengths: msgspec.Raw
+
+
+class _RawReserve(Request, tag="Reserve"):
+    namespace: bytes
+    chunks: msgspec.Raw
+    evict: bool = True
+
+
+class _RawCommit(Request, tag="Commit"):
+    lease: int
+    checksums: msgspec.Raw
+
+
+class _RawDiscard(Request, tag="Discard"):
+    namespace: bytes
+    keys: msgspec.Raw
+
+
+_server_decoder = msgspec.msgpack.Decoder(
+    Union[Attach, Hello, _RawLookup, _RawReserve, _RawCommit, Release, _RawDiscard, Stats, Clear, Health])
+_keys = msgspec.msgpack.Decoder(list[bytes])
+_ints = msgspec.msgpack.Decoder(list[int])
+_chunks = msgspec.msgpack.Decoder(list[NewChunk])
+
+
+def decode_request(body: bytes | memoryview, max_keys: int) -> Request:
+    """A request from a frame's body, refusing (LimitExceeded) any per-key list longer than `max_keys` before its
+    items are decoded; msgspec.DecodeError if the body is not a request. Lookup.tokens stays a view into `body`."""
+    request = _server_decoder.decode(body)
+    match request:
+        case _RawLookup(namespace, keys, tokens, lengths):
+            return Lookup(namespace, _bounded(_keys, keys, max_keys, "LOOKUP keys"), tokens,
+                          _bounded(_ints, lengths, max_keys, "LOOKUP token_lengths"))
+        case _RawReserve(namespace, chunks, evict):
+            return Reserve(namespace, _bounded(_chunks, chunks, max_keys, "RESERVE chunks"), evict)
+        case _RawCommit(lease, checksums):
+            return Commit(lease, _bounded(_ints, checksums, max_keys, "COMMIT checksums"))
+        case _RawDiscard(namespace, keys):
+            return Discard(namespace, _bounded(_keys, keys, max_keys, "DISCARD keys"))
+    return request
+
+
+def _bounded(decoder: msgspec.msgpack.Decoder, raw: msgspec.Raw, limit: int, what: str) -> list:
+    n = msgpack_array_length(raw)
+    if n > limit:
+        raise LimitExceeded(f"{what}: {n} items, over the pool's limit of {limit} (--max-keys): split the request")
+    return decoder.decode(raw)
+
+
+def msgpack_array_length(raw: bytes | msgspec.Raw) -> int:
+    """The element count in a msgpack array's header (fixarray, array 16, array 32); DecodeError if not an array."""
+    view = memoryview(raw)
+    first = view[0] if len(view) else -1
+    if 0x90 <= first <= 0x9F:
+        return first & 0x0F
+    if first == 0xDC and len(view) >= 3:
+        return int.from_bytes(view[1:3], "big")
+    if first == 0xDD and len(view) >= 5:
+        return int.from_bytes(view[1:5], "big")
+    raise msgspec.DecodeError("expected an array")
 _encoder = msgspec.msgpack.Encoder()
 
 

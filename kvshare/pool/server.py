@@ -1,6 +1,7 @@
 """The pool server: one asyncio loop that dispatches requests to PoolState and keeps connections apart.
 
-Each connection's frames are read and its replies written by a ClientProtocol (connection.py).
+Each connection's frames are read and its replies written by a ClientProtocol (connection.py), which also enforces
+the per-connection limits; the frame budget shared by all connections lives here.
 Handlers are short and synchronous: every policy lives in PoolState (state.py) and below. Because everything runs
 on the loop's one thread, PoolState needs no lock; the only other thread is arena preparation, which reports
 progress through loop.call_soon_threadsafe. A bad frame or request gets an Error reply and never stops the server;
@@ -15,8 +16,10 @@ import inspect
 import itertools
 import logging
 import os
+import resource
 import signal
 import socket
+import stat
 import time
 from typing import Awaitable
 
@@ -25,7 +28,7 @@ import msgspec
 from kvshare.pool import protocol as p
 from kvshare.pool.arena import Arena, prepare_rate, remove_stale_arenas
 from kvshare.pool.config import PoolConfig
-from kvshare.pool.connection import ClientProtocol, CloseConnection, Connection
+from kvshare.pool.connection import ClientProtocol, CloseConnection, Connection, FrameBudget
 from kvshare.pool.holders import ProcessWatch, peer_pid
 from kvshare.pool.state import IntegrityError, PoolState, RequestError
 from kvshare.pool.stats import LatencyRecorder
@@ -43,7 +46,8 @@ class PoolServer:
         self.state = PoolState(
             config.num_pages, config.page_size, prepared=0, lease_timeout=config.lease_timeout,
             high_watermark=config.high_watermark, low_watermark=config.low_watermark,
-            max_leased_pages_per_client=config.lease_limit,
+            max_leased_pages_per_client=config.lease_limit, max_description=config.max_description,
+            max_namespaces=config.max_namespaces,
         )
         self.latency = LatencyRecorder()
         self.clients = 0
@@ -51,6 +55,7 @@ class PoolServer:
         self._ids = itertools.count(1)
         self.instance = os.urandom(8).hex()  # identity only, never a key: clients tell pool lives apart by it
         self.watches: dict[int, ProcessWatch] = {}  # connection id -> its process, while it is open or holds leases
+        self.budget = FrameBudget(config.max_buffered)
         self._stop = asyncio.Event()
         self.l2 = None  # the L2Tier (kvshare.pool.l2), started in run() when config.l2 is set
 
@@ -150,7 +155,7 @@ class PoolServer:
         started = time.perf_counter()
         kind = "malformed"
         try:
-            request = p.request_decoder.decode(body)
+            request = p.decode_request(body, self.config.max_keys)
             kind = type(request).__name__.lower()
             reply = self._dispatch(conn, request)
             if inspect.isawaitable(reply):  # bounded by the L2 promote timeout; the loop serves others meanwhile
@@ -160,6 +165,8 @@ class PoolServer:
             raise
         except Exception as error:
             reply = self._error(error, kind)
+            if not conn.authenticated:  # before authentication nothing but a good ATTACH is answered twice
+                raise CloseConnection(reply.code, reply.message) from None
         self.latency.record(kind, time.perf_counter() - started, isinstance(reply, p.Error))
         return reply
 
@@ -186,6 +193,8 @@ class PoolServer:
             return p.Error(p.ErrorCode.MALFORMED, f"malformed request: {error}; use kvshare.pool.client")
         if isinstance(error, RequestError):
             return p.Error(error.code, error.message)
+        if isinstance(error, p.LimitExceeded):
+            return p.Error(p.ErrorCode.LIMIT, str(error))
         if isinstance(error, IntegrityError):
             log.error("integrity check failed: %s", error)
             return p.Error(p.ErrorCode.INTEGRITY, f"integrity check failed: {error} (a pool bug: report it)")
@@ -210,7 +219,7 @@ class PoolServer:
                     self._identify(conn, pid)
                 return p.ArenaInfo(self.arena.path, self.config.page_size, self.config.num_pages, s.allocator.prepared, self.instance)
             case p.Hello(namespace, description):
-                s.hello(namespace, description)
+                s.hello(namespace, description, conn.id)
                 return p.Ok()
             case p.Lookup(namespace, keys, tokens, lengths):
                 try:
@@ -245,6 +254,7 @@ class PoolServer:
     def _stats(self):
         stats = self.state.stats()
         stats.clients = self.clients
+        stats.buffered_bytes, stats.frames_waiting = self.budget.used, self.budget.waiting
         if self.l2 is not None:
             self.l2.fill(stats)
         stats.uptime_s = time.monotonic() - self.started
@@ -259,9 +269,13 @@ def announce(message: str) -> None:
 
 
 def prepare_socket(path: str) -> None:
-    """Remove a stale socket file; refuse if a live pool answers on it."""
-    if not os.path.exists(path):
+    """Remove a stale socket file; refuse if a live pool answers on it, or if the path is not a socket at all."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
         return
+    if not stat.S_ISSOCK(mode):
+        raise RuntimeError(f"{path} exists and is not a socket: pass another --socket (nothing was removed)")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(path)
@@ -310,10 +324,22 @@ def keep_freed_memory() -> None:
     mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
 
 
+def allow_connections(n: int) -> None:
+    """Raise the open-file limit so that `n` connections (plus the arena, pidfds and a margin) fit, as far as the
+    hard limit allows; a lower hard limit is said once, not discovered by failing accepts."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 2 * n + 64  # a socket and a pidfd per connection
+    if soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted if hard == resource.RLIM_INFINITY else min(wanted, hard), hard))
+        if hard != resource.RLIM_INFINITY and hard < wanted:
+            announce(f"open-file limit {hard} holds fewer than --max-connections {n}: raise it (ulimit -Hn)")
+
+
 def serve(config: PoolConfig) -> int:
     """Create the arena, serve until SIGTERM/SIGINT, then remove socket and arena (unless config.keep)."""
     prepare_socket(config.socket)
     keep_freed_memory()
+    allow_connections(config.max_connections)
     for path, nbytes in remove_stale_arenas(os.path.dirname(config.arena_path)):
         announce(f"removed {path} ({format_size(nbytes)} of memory), the arena of a pool that died without removing it")
     arena = Arena.create(config.arena_path, config.num_pages * config.page_size)

@@ -48,7 +48,7 @@ class PoolState:
     def __init__(
         self, num_pages: int, page_size: int, *, prepared: int | None = None, lease_timeout: float = 30.0,
         high_watermark: float = 0.95, low_watermark: float = 0.90, clock=time.monotonic,
-        max_leased_pages_per_client: int = 0,
+        max_leased_pages_per_client: int = 0, max_description: int = 1024, max_namespaces: int = 1024,
     ) -> None:
         self.page_size = page_size
         self.lease_limit = max_leased_pages_per_client  # 0: none; see _within_lease_limit
@@ -56,6 +56,8 @@ class PoolState:
         self.index = ChunkIndex()
         self.leases = LeaseTable(lease_timeout)
         self.namespaces: dict[bytes, str] = {}
+        self.max_description, self.max_namespaces = max_description, max_namespaces
+        self.said_hello: dict[int, set[bytes]] = {}  # client -> namespaces it sent HELLO for (while connected)
         self.processes: dict[int, int] = {}  # client -> the pid of its process, when the server knows it
         self.pages_quarantined = 0  # pages of fenced write leases: in no chunk, not free (I10)
         self.closed: set[int] = set()  # clients whose connection closed while they held (now fenced) leases
@@ -65,9 +67,27 @@ class PoolState:
 
     # ---- requests ----------------------------------------------------------------------------------------------
 
-    def hello(self, namespace: bytes, description: str) -> None:
+    def hello(self, namespace: bytes, description: str, client: int = 0) -> None:
+        """Make `namespace` known (LOOKUP and RESERVE need it). A namespace stays known while a connected client has
+        said HELLO for it or a chunk of it is in the index; after that it is reclaimed when room is needed."""
         _check_key(namespace, "namespace key")
+        if len(description.encode()) > self.max_description:
+            raise RequestError(ErrorCode.LIMIT, f"HELLO description of {len(description.encode())} bytes is over the "
+                               f"pool's limit of {self.max_description} (--max-description)")
+        if namespace not in self.namespaces and len(self.namespaces) >= self.max_namespaces:
+            self._reclaim_namespaces()
+            if len(self.namespaces) >= self.max_namespaces:
+                raise RequestError(ErrorCode.LIMIT, f"the pool holds {self.max_namespaces} namespaces in use "
+                                   "(--max-namespaces): stop replicas of unused models or raise the limit")
         self.namespaces.setdefault(namespace, description)
+        self.said_hello.setdefault(client, set()).add(namespace)
+
+    def _reclaim_namespaces(self) -> None:
+        """Forget namespaces no connected client said HELLO for and no chunk belongs to (the L2 tier's own client 0
+        counts as connected)."""
+        in_use = set(self.index.chunks_of).union(*self.said_hello.values())
+        for namespace in [n for n in self.namespaces if n not in in_use]:
+            del self.namespaces[namespace]
 
     def lookup(self, client: int, namespace: bytes, keys: list[bytes], tokens: list[bytes]) -> LookupReply:
         """The longest prefix of `keys` whose committed chunks match namespace, parent and tokens, read-leased."""
@@ -245,6 +265,7 @@ class PoolState:
         """The client's connection closed. Its process may still be copying (a client closes a connection that
         timed out while its copies run), so its leases are fenced, not ended (I10); client_gone() ends them. A
         holder the server cannot watch (`watched` False) gets one lease timeout to stop copying."""
+        self.said_hello.pop(client, None)
         until = math.inf if watched else self.clock() + self.leases.timeout
         for lease in self.leases.of_client(client):
             if lease.fenced:
@@ -429,6 +450,8 @@ class PoolState:
         _require(a.free_count + i.pages_reserved + i.pages_committed + i.pages_condemned + self.pages_quarantined
                  + a.unprepared == a.num_pages, "page sum is off")
         _require(not set(i.reserved) & set(i.committed), "a key is both reserved and committed")
+        _require(i.chunks_of == Counter(e.namespace for e in [*i.reserved.values(), *i.committed.values()]),
+                 "the per-namespace chunk counts are off")
         readers: Counter = Counter()
         writers: dict[bytes, int] = {}
         by_client: Counter = Counter()

@@ -58,6 +58,8 @@ class PoolStats(msgspec.Struct):
     l2_promotions: int = 0  # chunks copied from L2 into L1
     l2_rejected: int = 0  # L2 values refused on promotion (bad checksum, header, tokens or parent)
     clients: int = 0
+    buffered_bytes: int = 0  # of frames being received now, all connections together (at most --max-buffered)
+    frames_waiting: int = 0  # connections whose frame waits for that budget
     uptime_s: float = 0.0
     requests: dict[str, RequestStats] = {}
 

@@ -19,6 +19,9 @@ _FLAGS = {  # start_pool keyword -> serve flag
     "max_leased_pages_per_client": "--max-leased-pages-per-client", "group": "--group",
     "l2": "--l2", "l2_ttl": "--l2-ttl", "l2_queue": "--l2-queue", "l2_timeout": "--l2-timeout",
     "l2_promote_timeout": "--l2-promote-timeout", "l2_retry_after": "--l2-retry-after",
+    "max_frame": "--max-frame", "max_buffered": "--max-buffered", "frame_timeout": "--frame-timeout",
+    "max_connections": "--max-connections", "auth_timeout": "--auth-timeout", "max_auth_frame": "--max-auth-frame",
+    "max_keys": "--max-keys", "max_description": "--max-description", "max_namespaces": "--max-namespaces",
 }
 
 
