@@ -78,7 +78,7 @@ class GuardedH11Protocol(H11Protocol):
         self._follow()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if not self._ended and self._read_phase == "body" and not self._response_started():
+        if not self._ended and self._read_phase == "body" and not self._responding():
             request = self.scope or {}
             log.info("client %s closed the connection in the middle of its request body (%s %s); dropped",
                      self._peer(), request.get("method", "?"), request.get("path", "?"))
@@ -104,7 +104,9 @@ class GuardedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to bytes h11 cannot parse, as JSON; headers over the size limit get 431."""
-        if len(self.conn.trailing_data[0]) >= self.limits.max_header_bytes:
+        if self._responding():  # a response is already on the wire: another would corrupt it
+            self._end(abort=True)
+        elif len(self.conn.trailing_data[0]) >= self.limits.max_header_bytes:
             limit = self.limits.max_header_bytes
             self._answer_and_close(431, f"the request's headers are larger than this server's limit of {limit} bytes "
                                         "(--max-header-size)", "headers_too_large")
@@ -154,7 +156,7 @@ class GuardedH11Protocol(H11Protocol):
             return
         log.info("client %s sent no request body bytes for %g s (--body-timeout); closed", self._peer(),
                  self.limits.body_timeout_s)
-        if self._response_started():
+        if self._responding():
             self._end(abort=True)
         else:
             self._answer_and_close(408, f"the request body stalled for {self.limits.body_timeout_s:g} s "
@@ -190,8 +192,9 @@ class GuardedH11Protocol(H11Protocol):
         else:
             self.transport.close()
 
-    def _response_started(self) -> bool:
-        return self.cycle is not None and self.cycle.response_started
+    def _responding(self) -> bool:
+        """A response is on the wire and not finished: no other bytes may be written now."""
+        return self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete
 
     def _cancel_read_timer(self) -> None:
         if self._read_timer is not None:

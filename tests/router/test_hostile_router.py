@@ -124,6 +124,13 @@ def test_headers_over_the_limit_get_431(make_router, replicas):
 # ------------------------------------------------------------------------------------------------ headers
 
 
+def test_bytes_that_are_not_http_get_400_json(make_router, replicas):
+    routed = make_router([replicas[0].url], "round-robin")
+    ending = raw_http.send_then_wait(routed.url, b"GARBAGE \x00\x01 NOT HTTP\r\n\r\n", patience_s=10)
+    assert ending.status == 400 and ending.closed_after_s is not None
+    assert json.loads(ending.received.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "invalid_http"
+
+
 def test_each_header_once_and_hop_by_hop_headers_dropped(make_router, replicas):
     base = make_router([replicas[0].url], "round-robin").url
     whole = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
