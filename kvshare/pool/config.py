@@ -12,7 +12,7 @@ DEFAULT_PAGE_SIZE = 2 * MiB
 # Limits that keep one client from hurting the others (docs/security.md lists them). Sizes of honest requests: a
 # 256k-token LOOKUP or RESERVE of 256-token chunks is ~1.1 MiB and 1,024 keys; 1M tokens ~4.5 MiB, 4,096 keys.
 DEFAULT_MAX_FRAME = 16 * MiB
-DEFAULT_MAX_BUFFERED = 64 * MiB  # all connections' frames being received, together
+DEFAULT_MAX_BUFFERED = 32 * MiB  # all connections' frames being received, together
 DEFAULT_MAX_KEYS = 16384  # per LOOKUP/RESERVE/COMMIT/DISCARD: ~45 ms of RESERVE on the 2-core build machine
 
 

@@ -26,7 +26,14 @@ def register(cli) -> None:
                           "observed, verdict; exit 1 if any attack is not handled", group="validate")
     hostile.add_argument("--replica", metavar="URL", help="a replica's base URL (kvshare serve or vLLM)")
     hostile.add_argument("--router", metavar="URL", help="a router's base URL (kvshare route)")
-    hostile.add_argument("--pool", metavar="ADDR", help="the pool's socket or HOST:PORT (pool attacks: not yet)")
+    hostile.add_argument("--pool", metavar="SOCKET", help="the pool's Unix socket: its attacks and the flood run too")
+    hostile.add_argument("--pool-tcp", default="", metavar="HOST:PORT", help="the pool's TCP listener, for the attacks "
+                         "before authentication (default: none, those are skipped)")
+    hostile.add_argument("--flood", type=int, default=1000, metavar="N", help="hostile connections the pool flood "
+                         "opens at once (default %(default)s; 0: no flood)")
+    hostile.add_argument("--flood-seconds", type=float, default=10.0, metavar="S",
+                         help="how long the flood lasts (default %(default)s)")
+    hostile.add_argument("--json", default="", metavar="PATH", help="write the pool flood's figures as JSON")
     hostile.add_argument("--patience", type=float, default=40.0, metavar="S",
                          help="how long an attack waits for a server to time out or drop a client: above the "
                               "servers' --header-timeout, --body-timeout and --write-timeout, plus, for the unread "
@@ -61,8 +68,12 @@ def _soak(args: argparse.Namespace) -> int:
 def _hostile(args: argparse.Namespace) -> int:
     from kvshare.units import parse_size
     from kvshare.validate.hostile import run_hostile
+    from kvshare.validate.pool_attacks import PoolTarget
+    from kvshare.validate.pool_hostile import FloodPlan
 
-    if not (args.replica or args.router):
-        print("kvshare validate hostile: give --replica URL and/or --router URL")
+    if not (args.replica or args.router or args.pool):
+        print("kvshare validate hostile: give --replica URL, --router URL and/or --pool SOCKET", file=sys.stderr)
         return 2
-    return run_hostile(args.replica, args.router, args.pool, args.patience, parse_size(args.body_size))
+    pool = PoolTarget(args.pool, args.pool_tcp, min(args.patience, 15.0)) if args.pool else None
+    plan = FloodPlan(args.flood, args.flood_seconds)
+    return run_hostile(args.replica, args.router, pool, args.patience, parse_size(args.body_size), plan, args.json)

@@ -16,11 +16,15 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import httpx
 
 from kvshare.validate import raw_http
+
+if TYPE_CHECKING:
+    from kvshare.validate.pool_attacks import PoolTarget
+    from kvshare.validate.pool_hostile import FloodPlan
 
 COMPLETIONS = "/v1/completions"
 
@@ -349,15 +353,19 @@ def print_table(rows: list[Row]) -> None:
     Console(width=160).print(table)
 
 
-def run_hostile(replica: str | None, router: str | None, pool: str | None, patience_s: float, body_bytes: int) -> int:
-    """Runs every attack that applies to the given targets, prints the table; 0 if all were handled, else 1."""
+def run_hostile(replica: str | None, router: str | None, pool: "PoolTarget | None", patience_s: float,
+                body_bytes: int, flood: "FloodPlan | None" = None, json_path: str = "") -> int:
+    """Runs every attack that applies to the given targets (and the pool flood), prints the table; 0 if all were
+    handled, else 1."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the table
     probes = [probe_for(kind, base, patience_s, body_bytes) for kind, base in (("replica", replica), ("router", router))
               if base]
     rows = run_attacks(probes)
+    if pool is not None:
+        from kvshare.validate.pool_hostile import pool_rows
+
+        rows += pool_rows(pool, flood, json_path)
     print_table(rows)
-    if pool:
-        print(f"pool attacks: not yet (--pool {pool} accepted; the pool's attacks join this list later)")
     failed = [row for row in rows if not row.handled]
     print(f"{len(rows) - len(failed)} of {len(rows)} attacks handled")
     return 1 if failed else 0
