@@ -113,9 +113,9 @@ class _Validator:
                                 "prompt or lower max_tokens", param="max_tokens", code="context_length_exceeded")
         return asked
 
-    def sampling(self, body: SamplingFields, prompt_len: int, max_tokens: int | None, default: int | None
-                 ) -> SamplingParams:
-        """OpenAI's ranges (vLLM's for its extensions); every value that passes can be sampled."""
+    def check_values(self, body: SamplingFields) -> None:
+        """OpenAI's ranges (vLLM's for its extensions), checked before the prompt is tokenized: every value that
+        passes can be sampled."""
         if body.n < 1:
             raise ApiError(400, f"n must be at least 1, got {body.n}", param="n")
         if body.n != 1:
@@ -129,14 +129,18 @@ class _Validator:
         _check_no_penalty("frequency_penalty", body.frequency_penalty)
         if body.seed is not None and not SEED_RANGE[0] <= body.seed <= SEED_RANGE[1]:
             raise ApiError(400, f"seed must be a 64-bit signed integer, got {body.seed}", param="seed")
+        self.check_stop_strings(_stop_strings(body.stop))
+
+    def sampling(self, body: SamplingFields, prompt_len: int, max_tokens: int | None, default: int | None
+                 ) -> SamplingParams:
+        """The engine's parameters for a body that passed check_values."""
         stop_ids = tuple(body.stop_token_ids or ())
         self.check_ids(stop_ids, "stop_token_ids")
         return SamplingParams(max_tokens=self.max_tokens(max_tokens, prompt_len, default),
                               temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                              stop_token_ids=stop_ids, ignore_eos=body.ignore_eos, top_k=max(top_k, 0))
+                              stop_token_ids=stop_ids, ignore_eos=body.ignore_eos, top_k=max(body.top_k or 0, 0))
 
-    def stop_strings(self, stop: str | list[str] | None) -> tuple[str, ...]:
-        strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    def check_stop_strings(self, strings: tuple[str, ...]) -> None:
         if len(strings) > self.limits.max_stop_strings:
             raise ApiError(400, f"stop has {len(strings)} strings; this server accepts at most "
                                 f"{self.limits.max_stop_strings} (--max-stop-strings)", param="stop")
@@ -144,7 +148,6 @@ class _Validator:
         if longest > self.limits.max_stop_chars:
             raise ApiError(400, f"a stop string has {longest} characters; this server accepts at most "
                                 f"{self.limits.max_stop_chars} (--max-stop-chars)", param="stop")
-        return tuple(s for s in strings if s)
 
     def refuse_hopeless_text(self, chars: int, param: str) -> None:
         """A text longer than max_model_len * max_token_chars characters cannot fit: refuse it before tokenizing,
@@ -184,11 +187,15 @@ class _Validator:
                 prefix: str, arrived: float) -> Prepared:
         """`default`: the completion budget when max_tokens is absent (None: up to the context limit)."""
         sampling = self.sampling(body, len(prompt_ids), max_tokens, default)
-        stop = self.stop_strings(body.stop)
+        stop = tuple(s for s in _stop_strings(body.stop) if s)
         request = GenerationRequest(request_id=f"{prefix}-{uuid.uuid4().hex}", prompt_ids=tuple(prompt_ids),
                                     sampling=sampling, cache_salt=body.cache_salt or "")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return Prepared(request, stop, body.stream, include_usage, arrived)
+
+
+def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    return (stop,) if isinstance(stop, str) else tuple(stop or ())
 
 
 def _check_number(name: str, value: float, low: float, high: float, open_below: bool = False) -> None:
@@ -468,6 +475,7 @@ class _Server:
         arrived = time.perf_counter()
         body = parse_body(CompletionRequest, await request.body())
         self.validator.check_model(body.model)
+        self.validator.check_values(body)
         ids = await asyncio.to_thread(self.validator.completion_prompt, body.prompt)
         prepared = self.validator.prepare(body, ids, body.max_tokens, 16, "cmpl", arrived)
         return await self._respond(request, prepared, _CompletionFormat(prepared.request.request_id,
@@ -477,6 +485,7 @@ class _Server:
         arrived = time.perf_counter()
         body = parse_body(ChatRequest, await request.body())
         self.validator.check_model(body.model)
+        self.validator.check_values(body)
         ids = await asyncio.to_thread(self.validator.chat_prompt, body.messages)
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         prepared = self.validator.prepare(body, ids, asked, None, "chatcmpl", arrived)
