@@ -2,7 +2,8 @@
 attack checked against what a well-defended server does; a table of attack, expected, observed, verdict.
 
 Each attack is a small typed object (`Attack`: a name, the targets it applies to, what is expected, a function) in
-`ATTACKS`; pool attacks will join the list with target "pool". Every attack is bounded in time (`patience_s` and
+`ATTACKS`; the pool's attacks and flood (`--pool`) live in `pool_attacks` / `pool_hostile` and add their rows to
+the same table. Every attack is bounded in time (`patience_s` and
 socket timeouts) and load (a few requests, at most `body_bytes` sent), so it can run against a live deployment. The
 attacks that watch a timeout need the server's timeout below `patience_s` (kvshare's defaults: 10 s for headers, 30 s
 for bodies and writes: use --patience 40, or start the servers with shorter timeouts); the unread-stream attack also
@@ -58,7 +59,7 @@ class Verdict:
 @dataclass(frozen=True)
 class Attack:
     name: str
-    targets: frozenset[str]  # "replica", "router" (and "pool", later)
+    targets: frozenset[str]  # "replica" and/or "router"
     expected: str
     run: Callable[[Probe], Verdict]
 
