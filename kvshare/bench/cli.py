@@ -58,6 +58,9 @@ def _deployment_flags(parser: argparse.ArgumentParser) -> None:
                         help="start a pool and two `kvshare serve` replicas of this model here (and stop them after)")
     target.add_argument("--off", metavar="URLS", help="cache-OFF endpoints: replica A,B base URLs (or one router URL)")
     target.add_argument("--on", metavar="URLS", help="cache-ON endpoints: replica A,B base URLs (or one router URL)")
+    target.add_argument("--router-token-file", type=Path, metavar="FILE",
+                        help="the admin token of a router among --off/--on (its --admin-token-file): the sessions "
+                             "benchmark switches its placement policy")
     target.add_argument("--tokenizer", type=Path, metavar="DIR",
                         help="model folder whose tokenizer builds the prompts (default: --local's)")
     target.add_argument("--threads", type=int, default=1, help="--threads of each local replica, same in both arms")

@@ -95,13 +95,14 @@ class LocalConfig:
 class EndpointDeployment:
     """Two endpoint sets the user runs; `activate` only switches between them (and sets the router's policy)."""
 
-    def __init__(self, off: Endpoints, on: Endpoints):
+    def __init__(self, off: Endpoints, on: Endpoints, admin_token: str | None = None):
         self.sets = {"OFF": off, "ON": on}
+        self.admin_token = admin_token  # the routers' --admin-token-file content (--router-token-file)
 
     def activate(self, arm: str, policy: str | None = None) -> Endpoints:
         endpoints = self.sets[arm]
         if policy and endpoints.router:
-            set_router_policy(endpoints.router, policy)
+            set_router_policy(endpoints.router, policy, self.admin_token)
         return endpoints
 
     def settle(self) -> None:
@@ -275,6 +276,9 @@ def set_router_policy(router_url: str, policy: str, admin_token: str | None = No
                               trust_env=False)
     except httpx.HTTPError as error:
         raise EndpointUnreachable(f"cannot reach the router at {router_url} to set policy {policy!r}: {error}") from error
+    if response.status_code in (401, 403):
+        raise BenchError(f"router {router_url} refused to switch its policy ({response.status_code}): pass its "
+                         "--admin-token-file to the benchmark as --router-token-file")
     if response.status_code >= 400:
         raise BenchError(f"router {router_url} refused policy {policy!r}: {response.status_code} {response.text[:300]}")
 

@@ -146,7 +146,8 @@ def deployment_factory(args: argparse.Namespace, out_dir: Path, longest_prompt: 
     if not (args.off and args.on):
         raise BenchError("no deployment: pass --local MODEL_DIR, or both --off URLS and --on URLS")
     off, on = parse_endpoints(args.off), parse_endpoints(args.on)
-    return lambda: EndpointDeployment(off, on)
+    token = args.router_token_file.read_text().strip() if args.router_token_file else None
+    return lambda: EndpointDeployment(off, on, token)
 
 
 def earlier_rows(paths: list[Path], cross: CrossReplicaConfig) -> tuple[RequestRow, ...]:

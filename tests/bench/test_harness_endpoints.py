@@ -106,3 +106,22 @@ def test_a_design_split_over_two_runs_reports_all_four_blocks(stubs, tiny_model,
                          (("--blocks", "ON3"), "unknown block")):
         result = _kvshare("bench", "cross-replica", *common, *bad, "--out", str(tmp_path / "bad"))
         assert result.returncode == 2 and message in result.stderr, result.stdout + result.stderr
+
+
+def test_sessions_switch_a_token_protected_routers_policy_only_with_its_token(stubs, tiny_model, tmp_path):
+    """A router started with --admin-token-file refuses policy switches without the token: the benchmark says which
+    flag to pass, and with --router-token-file it runs."""
+    from kvshare.router.local import router
+
+    token = tmp_path / "admin-token"
+    token.write_text("bench-admin-token\n")
+    served = router(stubs, "round-robin", "--admin-token-file", str(token)).start(ready_timeout_s=120)
+    try:
+        common = ("bench", "sessions", "--off", served.url, "--on", served.url, "--tokenizer", str(tiny_model),
+                  "--contexts", "64", "--turns", "2", "--user-tokens", "16")
+        result = _kvshare(*common, "--out", str(tmp_path / "refused"))
+        assert result.returncode != 0 and "--router-token-file" in result.stdout + result.stderr
+        result = _kvshare(*common, "--router-token-file", str(token), "--out", str(tmp_path / "ok"))
+        assert result.returncode == 0, result.stdout + result.stderr
+    finally:
+        served.stop()
