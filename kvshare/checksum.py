@@ -89,8 +89,11 @@ def finish(total: int, nbytes: int) -> int:
 
 
 # ---- numpy path ---------------------------------------------------------------------------------------------------
-_BATCH_BLOCKS = 8  # whole coefficient blocks per numpy pass: 2 MiB of words, so that 16 hashing threads spend little
-# of their time waiting for the GIL (with one 256 KiB block a pass they ran slower together than one thread alone)
+# Whole coefficient blocks per numpy pass: 4 (1 MiB of words). Each pass releases and retakes the GIL, so threads that
+# hash together hand it over once a pass: with one block (256 KiB) a pass 16 threads hashed slower together (1.2-1.8
+# GB/s) than one thread alone on the H200 host. Measured there (run 10), GB/s by blocks a pass at 1 / 4 / 16 threads:
+# 1: 1.6 / 2.2 / 1.2; 4: 1.7 / 5.0 / 3.7; 8: 1.5 / 4.4 / 6.4 (on the 2-core build machine, one thread: 3.6 / 3.3 / 2.4).
+_BATCH_BLOCKS = 4
 _scratch = threading.local()  # per thread: two uint64 buffers of a batch, reused (fresh 2 MiB arrays fault their pages)
 
 

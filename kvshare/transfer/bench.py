@@ -1,4 +1,6 @@
-"""`kvshare bench transfer`: store/load GB/s of a Qwen2.5-32B-shaped KV next to the copy ceiling of the same run.
+"""`kvshare bench transfer`: store/load GB/s of a Qwen2.5-32B-shaped KV next to the copy ceiling of the same run,
+a load without and with verification (a store always computes its checksums), and the host's hash rates beside
+xxh3's.
 
 Shape: 64 layers (8 on CPU, to fit a few GiB; the JSON says so), 8 KV heads, head 128, bf16, 16-token blocks,
 256-token chunks, random block ids, each chunk's pages adjacent (as a fresh pool hands them out), 2 MiB pages in a
@@ -53,8 +55,11 @@ def run(config: BenchConfig) -> dict:
         stores = [StoreJob(blocks[c * bpc : (c + 1) * bpc].tolist(), page_ids[c]) for c in range(chunks)]
         loads = [LoadJob(page_ids[c], blocks[(chunks + c) * bpc : (chunks + c + 1) * bpc].tolist())
                  for c in range(chunks)]
-        store_s = _time(config, lambda: transfer.store(stores).wait())
+        # A store always computes its chunks' checksums (COMMIT carries them): its time includes them.
+        store_s = _time(config, lambda: _waited(transfer.store(stores)).checksums())
         load_s = _time(config, lambda: transfer.load(loads).wait())
+        load_sums_s = _time(config, lambda: _waited(transfer.load(loads, checksums=True)).checksums())
+        hashes = _hash_rates(pages, min(payload, 1 << 30))
         raw = kv.view(torch.uint8)  # compare bytes: random bf16 bits include NaNs, which never compare equal
         exact = torch.equal(raw[:, blocks[: chunks * bpc]], raw[:, blocks[chunks * bpc : 2 * chunks * bpc]])
         ceiling = _ceiling(config, pages, min(payload, 4 << 30))
@@ -66,9 +71,32 @@ def run(config: BenchConfig) -> dict:
         "payload_bytes": payload,
         "store": _rates(payload, store_s),
         "load": _rates(payload, load_s),
+        "load_with_checksums": _rates(payload, load_sums_s),
+        "host_hash_one_thread_gbps": hashes,
         "ceiling": ceiling,
         "round_trip_exact": bool(exact),
     }
+
+
+def _waited(handle):
+    handle.wait()
+    return handle
+
+
+def _hash_rates(pages: torch.Tensor, nbytes: int) -> dict:
+    """GB/s of one host thread: the chunk checksum (numpy) and, for reference, xxh3-64 (the checksum before)."""
+    import xxhash
+
+    from kvshare import checksum
+
+    data = pages.view(-1)[:nbytes].numpy()
+    rates = {}
+    for name, fn in (("kvshare_checksum", checksum.checksum), ("xxh3_64", xxhash.xxh3_64_intdigest)):
+        fn(data)
+        start = time.perf_counter()
+        fn(data)
+        rates[name] = nbytes / (time.perf_counter() - start) / 1e9
+    return rates
 
 
 def _time(config: BenchConfig, action) -> dict:
@@ -114,10 +142,12 @@ def print_results(results: dict) -> None:
     from rich.table import Table
 
     store, load, ceiling = results["store"], results["load"], results["ceiling"]
+    load_sums = results["load_with_checksums"]
     table = Table(title=f"bench transfer: {results['layout']}, {results['payload_bytes'] / 2**30:.2f} GiB a direction")
     for column in ("direction", "GB/s median", "min..max", "ceiling GB/s", "of ceiling"):
         table.add_column(column, justify="right")
-    for name, rate, roof in (("store (to pool)", store, ceiling["to_host"]), ("load (from pool)", load, ceiling["from_host"])):
+    for name, rate, roof in (("store + checksums", store, ceiling["to_host"]), ("load", load, ceiling["from_host"]),
+                             ("load + verification", load_sums, ceiling["from_host"])):
         table.add_row(name, f"{rate['gbps_median']:.1f}", f"{rate['gbps_min']:.1f}..{rate['gbps_max']:.1f}",
                       f"{roof['gbps_median']:.1f}", f"{rate['gbps_median'] / roof['gbps_median']:.0%}")
     console = Console()
@@ -125,3 +155,6 @@ def print_results(results: dict) -> None:
     if results["scaled_down"]:
         console.print("note: layers scaled down from 64 to fit this machine; GB/s is what compares")
     console.print(f"round trip byte-exact: {results['round_trip_exact']}")
+    hashes = results["host_hash_one_thread_gbps"]
+    console.print(f"host hash, one thread: kvshare checksum {hashes['kvshare_checksum']:.2f} GB/s, "
+                  f"xxh3-64 {hashes['xxh3_64']:.2f} GB/s")
