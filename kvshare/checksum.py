@@ -28,9 +28,8 @@ It detects accidents (a stale or half-written page, a wrong copy), not a forger:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Sequence
-
 import threading
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 
@@ -41,8 +40,8 @@ MASK = (1 << 64) - 1
 MIX_MULTIPLIER = 0xBF58476D1CE4E5B9  # splitmix64's first multiplier: odd, well mixed
 GOLDEN = 0x9E3779B97F4A7C15
 WORD = 8
-BLOCK_WORDS = 1 << 15  # c_i = a_(i mod BLOCK_WORDS) * b_(i // BLOCK_WORDS): numpy hashes a block at a time with
-# a 256 KiB table of a's that stays in the core's cache (a full table of c's streamed from memory halved its speed)
+BLOCK_WORDS = 1 << 15  # c_i = a_(i mod BLOCK_WORDS) * b_(i // BLOCK_WORDS): numpy multiplies by a 256 KiB table of
+# a's that stays in the core's cache (a full table of c's streamed from memory halved its speed)
 
 _U64 = np.dtype("<u8")
 _SHIFT = np.uint64(32)
@@ -94,20 +93,27 @@ def finish(total: int, nbytes: int) -> int:
 # GB/s) than one thread alone on the H200 host. Measured there (run 10), GB/s by blocks a pass at 1 / 4 / 16 threads:
 # 1: 1.6 / 2.2 / 1.2; 4: 1.7 / 5.0 / 3.7; 8: 1.5 / 4.4 / 6.4 (on the 2-core build machine, one thread: 3.6 / 3.3 / 2.4).
 _BATCH_BLOCKS = 4
-_scratch = threading.local()  # per thread: two uint64 buffers of a batch, reused (fresh 2 MiB arrays fault their pages)
 
 
-def _buffers(n: int) -> tuple[np.ndarray, np.ndarray]:
-    buffers = getattr(_scratch, "buffers", None)
-    if buffers is None or len(buffers[0]) < n:
-        size = max(n, _BATCH_BLOCKS * BLOCK_WORDS)
-        buffers = _scratch.buffers = (np.empty(size, dtype=np.uint64), np.empty(size, dtype=np.uint64))
-    return buffers[0][:n], buffers[1][:n]
+class _Scratch(threading.local):
+    """Per thread: two uint64 buffers of at least a batch, reused (fresh megabyte arrays fault their pages in)."""
+
+    def __init__(self):
+        self.x = self.t = np.empty(0, dtype=np.uint64)
+
+    def get(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        if len(self.x) < n:
+            size = max(n, _BATCH_BLOCKS * BLOCK_WORDS)
+            self.x, self.t = np.empty(size, dtype=np.uint64), np.empty(size, dtype=np.uint64)
+        return self.x[:n], self.t[:n]
+
+
+_scratch = _Scratch()
 
 
 def _mixed_times(words: np.ndarray, a: np.ndarray) -> np.ndarray:
     """mix(words) * a (broadcast over rows), in this thread's scratch buffer shaped like `words`."""
-    x, t = (buffer.reshape(words.shape) for buffer in _buffers(words.size))
+    x, t = (buffer.reshape(words.shape) for buffer in _scratch.get(words.size))
     np.right_shift(words, _SHIFT, out=x)  # fold
     np.bitwise_xor(x, words, out=x)
     np.multiply(x, np.uint64(MIX_MULTIPLIER), out=x)

@@ -162,3 +162,14 @@ def test_two_word_corruptions_that_cancel_in_a_linear_sum_are_detected():
 def test_device_rows_refuse_layouts_that_are_not_whole_words():
     with pytest.raises(ValueError, match="multiples of 8"):
         ck.chunk_coefficients(4096 + 12, 4096, 4092)
+
+
+def test_threads_hashing_at_once_get_the_sequential_values():
+    """Each thread hashes in scratch buffers of its own: concurrent chunks must not see each other's words."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    chunks = [_random(3 * 8 * ck.BLOCK_WORDS + 8 * i + 40, 100 + i) for i in range(8)]
+    want = [ck.checksum(c) for c in chunks]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            assert list(pool.map(ck.checksum, chunks)) == want
