@@ -61,6 +61,7 @@ def use_xxh3() -> None:
         return digest.intdigest()
 
     where.arena_checksum = xxh3_checksum  # start_checksums looks it up at call time
+    where.HASH_THREADS = min(16, os.cpu_count() or 1)  # as before: xxh3 scales (the pool is made at first use)
 
 
 def replica(args) -> None:
