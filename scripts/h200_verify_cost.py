@@ -8,6 +8,9 @@ cross-replica pool hit, never B's own prefix cache). TTFT = submit -> first toke
 - off:    B does not verify (`--no-verify-checksums`).
 - device: B verifies with the GPU hash of each staging slot (the default on CUDA).
 - host:   B verifies with the same function on host threads over the arena (`checksums_on="host"`).
+- alternate: one B process that verifies (GPU hash) every other pair of documents, off on on off off on on off ...
+          (rows: alt-off, alt-device): the two conditions share a process, so the ~30 ms by which B processes differ
+          after the load (runs 9-10) cancels out.
 - xxh3:   the design before issue 17, rebuilt here only: A' and B' hash xxh3-64 on host threads (A' after its copies,
           B' while its copies run). A' stores its own copy of the 32k documents (the pool holds the new function's
           checksums of A's), so this arm runs at 32k only.
@@ -26,6 +29,7 @@ A dry run of everything but the GPU parts, on a CPU with a tiny model (probe: ho
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -44,6 +48,9 @@ ARMS = {  # arm -> (verify, where B hashes); xxh3 also needs its own A'
     "device": (True, "device"),
     "host": (True, "host"),
     "xxh3": (True, "host"),
+    "alternate": (True, "device"),  # rows say alt-off / alt-device
+    "alt-off": (False, "device"),
+    "alt-device": (True, "device"),
 }
 
 
@@ -82,8 +89,15 @@ def replica(args) -> None:
     stats = engine.connector.stats
     ready = time.perf_counter() - started
     vocab = min(engine.model_config.vocab_size, 150000)
+    measured = 0
     with open(args.rows, "a") as out:
         for job in jobs:
+            arm = args.arm
+            if args.arm == "alternate":  # ABBA order over the measured documents; the warm-up verifies
+                verify = job.get("warmup", False) or measured % 4 in (1, 2)
+                engine.connector.core.config = dataclasses.replace(config, verify_checksums=verify)
+                arm = "alt-device" if verify else "alt-off"
+                measured += not job.get("warmup", False)
             prompt = document(job["length"], job["seed"], vocab) + document(QUESTIONS, job["question"], vocab)
             before = (stats.load_seconds, stats.load_failures, stats.corrupt_chunks)
             first, done = [], []
@@ -101,14 +115,14 @@ def replica(args) -> None:
                 time.sleep(0.001)
             flushed = time.perf_counter()
             engine.connector.core.flush(600)  # A's stores are committed before the next request and before B
-            row = dict(job, role=args.role, arm=args.arm, ttft_s=first[0] if first else None,
+            row = dict(job, role=args.role, arm=arm, ttft_s=first[0] if first else None,
                        error=done[0].error, pool_hit=done[0].usage.pool_hit_tokens,
                        load_s=stats.load_seconds - before[0], load_failures=stats.load_failures - before[1],
                        corrupt_chunks=stats.corrupt_chunks - before[2], commit_wait_s=time.perf_counter() - flushed,
                        replica_ready_s=ready)
             out.write(json.dumps(row) + "\n")
             out.flush()
-            print(f"  {args.role:>3} {args.arm:>6} {job['length']:>7}: TTFT {row['ttft_s'] or float('nan'):.3f} s, "
+            print(f"  {args.role:>3} {arm:>10} {job['length']:>7}: TTFT {row['ttft_s'] or float('nan'):.3f} s, "
                   f"load {row['load_s']:.3f} s, pool hit {row['pool_hit']}, failures {row['load_failures']}", flush=True)
     engine.connector.close()
     engine.shutdown()
@@ -249,7 +263,7 @@ def summarize(out: Path) -> None:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (length, arm), group in sorted(groups.items(), key=lambda kv: (kv[0][0], list(ARMS).index(kv[0][1]))):
         ttft = [r["ttft_s"] for r in group if r["ttft_s"] is not None]
-        off = groups.get((length, "off"))
+        off = groups.get((length, "alt-off" if arm.startswith("alt-") else "off"))
         off_median = statistics.median(r["ttft_s"] for r in off) if off else None
         median = statistics.median(ttft)
         delta = f"{(median - off_median) / off_median:+.1%}" if off_median else "-"
