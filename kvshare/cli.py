@@ -12,7 +12,8 @@ import sys
 COMMAND_MODULES = (
     "kvshare.pool.cli",  # kvshare pool serve|stats|check|bench
     "kvshare.transfer.cli",  # kvshare validate transfer, kvshare bench transfer
-    "kvshare.engine.cli",  # kvshare serve, kvshare make-model
+    "kvshare.serve.cli",  # kvshare serve
+    "kvshare.engine.cli",  # kvshare make-model
     "kvshare.router.cli",  # kvshare route
     "kvshare.bench.cli",  # kvshare bench cross-replica|sessions, kvshare demo, kvshare validate service
     "kvshare.validate.cli",  # kvshare validate soak

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvshare.engine import attention, model
-from kvshare.engine.config import ModelConfig
+from kvshare.hf.config import ModelConfig
 from kvshare.engine.make_model import make_model
 from kvshare.engine.model import DecoderLayer, Rotary
 from h200_prefill import layer_flops  # scripts/ is on sys.path when this script runs

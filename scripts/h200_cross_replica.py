@@ -36,7 +36,8 @@ def document(length: int, seed: int, vocab: int) -> list[int]:
 def replica(args) -> None:
     import torch
 
-    from kvshare.connector import ConnectorConfig, PoolConnector
+    from kvshare.connector import ConnectorConfig
+    from kvshare.engine.pool_connector import PoolConnector
     from kvshare.engine.api import GenerationRequest, SamplingParams
     from kvshare.engine.config import EngineConfig
     from kvshare.engine.engine import Engine

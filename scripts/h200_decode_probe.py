@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from kvshare.connector import ConnectorConfig, PoolConnector
+from kvshare.connector import ConnectorConfig
+from kvshare.engine.pool_connector import PoolConnector
 from kvshare.engine.api import GenerationRequest, SamplingParams, TokenEvent
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.engine import Engine

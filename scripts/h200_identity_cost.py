@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kvshare.engine.config import ModelConfig, default_dtype
+from kvshare.hf.config import ModelConfig, default_dtype
 from kvshare.engine.make_model import Preset, hf_config, make_model
 from kvshare.engine.model import CausalLM
 from kvshare.engine.weights import dummy_tensor, read_safetensors, shard_files

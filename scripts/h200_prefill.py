@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from kvshare.engine.api import GenerationRequest, SamplingParams, TokenEvent
-from kvshare.engine.config import EngineConfig, ModelConfig
+from kvshare.engine.config import EngineConfig
+from kvshare.hf.config import ModelConfig
 from kvshare.engine.engine import Engine
 from kvshare.engine.make_model import make_model
 

@@ -72,9 +72,11 @@ def use_xxh3() -> None:
 
 
 def replica(args) -> None:
-    from kvshare.connector import ConnectorConfig, PoolConnector
+    from kvshare.connector import ConnectorConfig
+    from kvshare.engine.pool_connector import PoolConnector
     from kvshare.engine.api import GenerationRequest, SamplingParams
-    from kvshare.engine.config import EngineConfig, default_dtype
+    from kvshare.engine.config import EngineConfig
+    from kvshare.hf.config import default_dtype
     from kvshare.engine.engine import Engine
 
     verify, where = ARMS[args.arm]

@@ -47,7 +47,7 @@ def ensure_model(config: DemoConfig) -> None:
 
 def run_demo(config: DemoConfig, command: str) -> Outcome:
     ensure_model(config)
-    from kvshare.engine.tokenizer import Tokenizer
+    from kvshare.hf.tokenizer import Tokenizer
 
     codec = Tokenizer.from_dir(config.model_dir)
     plan = Plan(

@@ -72,7 +72,7 @@ class LocalConfig:
         """Refuse, before anything starts, a plan whose longest prompt the local pool would share only in part: one
         connection may lease at most half the arena (the pool's default limit), so A would store and B load only
         the chunks under it, and the ON arm would recompute the rest. (A 255k run with a 72 GiB pool did that.)"""
-        from kvshare.engine.config import DTYPES, ModelConfig, default_dtype
+        from kvshare.hf.config import ModelConfig, default_dtype
         from kvshare.pool.config import DEFAULT_PAGE_SIZE as PAGE, PoolConfig
         from kvshare.units import format_size, parse_size
 
@@ -81,7 +81,7 @@ class LocalConfig:
         except (OSError, ValueError, KeyError):
             return  # the replicas report a bad model folder themselves, with their own words
         tokens = min(tokens, self.max_model_len or model.max_position)  # longer ones fail on their own, later
-        per_token = model.kv_bytes_per_token(DTYPES[default_dtype(self.device)])  # the replicas' dtype (no --dtype)
+        per_token = model.kv_bytes_per_token(default_dtype(self.device))  # the replicas' dtype (no --dtype)
         chunk_pages = -(-self.chunk_tokens * per_token // PAGE)
         needed = tokens // self.chunk_tokens * chunk_pages * PAGE
         limit = PoolConfig(size=parse_size(self.pool_size), socket="").lease_limit * PAGE  # the pool's own default

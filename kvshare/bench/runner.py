@@ -182,7 +182,7 @@ def load_codec(args: argparse.Namespace) -> Codec:
     folder = args.tokenizer or args.local
     if folder is None:
         raise BenchError("prompts are built with the model's tokenizer: pass --tokenizer MODEL_DIR")
-    from kvshare.engine.tokenizer import Tokenizer
+    from kvshare.hf.tokenizer import Tokenizer
 
     try:
         return Tokenizer.from_dir(folder)

@@ -21,7 +21,7 @@ _LENGTH = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
 
 
 class Codec(Protocol):
-    """The part of a tokenizer the workloads need (kvshare.engine.tokenizer.Tokenizer has it)."""
+    """The part of a tokenizer the workloads need (kvshare.hf.tokenizer.Tokenizer has it)."""
 
     def encode(self, text: str) -> list[int]: ...
 

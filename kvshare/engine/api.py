@@ -5,8 +5,8 @@ The HTTP server, the benchmark and the connector code against these types only, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Callable, Protocol
 
 
 @dataclass(frozen=True)
@@ -80,60 +80,3 @@ class EngineProtocol(Protocol):
     def abort(self, request_id: str) -> None: ...
 
     def shutdown(self) -> None: ...
-
-
-@dataclass
-class StoreHandle:
-    """Completion of an asynchronous store. The engine must not free or reuse the source blocks until done()."""
-
-    is_done: Callable[[], bool] = lambda: True
-    block_ids: Sequence[int] = field(default_factory=tuple)
-
-    def done(self) -> bool:
-        return self.is_done()
-
-
-class KVConnector(Protocol):
-    """The engine's view of the shared pool (implemented by kvshare.connector). Never raises: any pool failure
-    becomes a miss (lookup returns 0, load returns False, store returns None) and costs only recompute (I7)."""
-
-    chunk_tokens: int
-    stats: ConnectorStats
-
-    def lookup(self, request_id: str, token_ids: Sequence[int], num_computed: int, salt: str = "") -> int:
-        """Tokens beyond `num_computed` (a multiple of chunk_tokens, full chunks only) that the pool holds, under a
-        read lease kept for this request until load() or release()."""
-
-    def load(self, request_id: str, block_ids: Sequence[int], num_computed: int, num_tokens: int) -> bool:
-        """Load tokens [num_computed, num_computed + num_tokens) into `block_ids` (the request's whole block table).
-        Returns once every later kernel on the current stream is ordered after the copy (I5); False means failed:
-        the engine recomputes those tokens."""
-
-    def release(self, request_id: str) -> None:
-        """Drop any lease still held for the request (e.g. it was aborted before load)."""
-
-    def store(
-        self, request_id: str, token_ids: Sequence[int], block_ids: Sequence[int], num_stored: int, salt: str = ""
-    ) -> StoreHandle | None:
-        """Store the full chunks of `token_ids` beyond the first `num_stored` tokens (already stored) from
-        `block_ids`. Ordered after all work already queued on the current stream (I4)."""
-
-
-@dataclass
-class ConnectorStats:
-    """Counters a KV connector keeps; the server exports them on /metrics."""
-
-    lookups: int = 0
-    lookup_hit_tokens: int = 0
-    loads: int = 0
-    load_bytes: int = 0
-    load_seconds: float = 0.0
-    load_failures: int = 0
-    stores: int = 0
-    store_bytes: int = 0
-    store_seconds: float = 0.0
-    store_skipped_chunks: int = 0  # already in the pool
-    store_limited_chunks: int = 0  # beyond what the pool's per-client lease limit lets one RESERVE hold
-    corrupt_chunks: int = 0  # loaded chunks whose bytes failed their checksum (recomputed, then DISCARDed: I11)
-    discarded_chunks: int = 0  # of those, removed from the pool so that the next store replaces them
-    errors: int = 0  # pool errors of any kind, each turned into a miss

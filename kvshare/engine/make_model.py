@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kvshare.engine.config import ModelConfig
+from kvshare.hf.config import ModelConfig
 from kvshare.engine.weights import dummy_state_dict
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

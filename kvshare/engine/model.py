@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvshare.engine.attention import decode_attention, prefill_attention, slot_indices, write_kv
-from kvshare.engine.config import ModelConfig, RopeConfig
+from kvshare.hf.config import ModelConfig, RopeConfig
 
 
 class RMSNorm(nn.Module):

@@ -6,7 +6,8 @@ import logging
 
 import torch
 
-from kvshare.engine.config import EngineConfig, ModelConfig
+from kvshare.engine.config import EngineConfig
+from kvshare.hf.config import ModelConfig
 from kvshare.engine.model import Rotary
 from kvshare.engine.sequence import Sequence
 from kvshare.engine.weights import load_model
@@ -43,7 +44,7 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block across all layers."""
-        return self.config.block_size * self.model_config.kv_bytes_per_token(self.dtype)
+        return self.config.block_size * self.model_config.kv_bytes_per_token(self.config.dtype)
 
     def _num_blocks(self) -> int:
         c, m = self.config, self.model_config
@@ -55,7 +56,7 @@ class ModelRunner:
             budget = torch.cuda.mem_get_info(self.device)[0] - self._activation_reserve()
         else:
             max_len = c.max_model_len or m.max_position
-            budget = min(CPU_DEFAULT_KV_BYTES, 4 * max_len * m.kv_bytes_per_token(self.dtype))
+            budget = min(CPU_DEFAULT_KV_BYTES, 4 * max_len * m.kv_bytes_per_token(self.config.dtype))
         num_blocks = budget // self.block_bytes
         if num_blocks < 1:
             raise ValueError(f"no room for a KV cache ({format_size(budget)}): pass --num-blocks or --kv-cache-memory")

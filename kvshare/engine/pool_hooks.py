@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from kvshare.engine.api import KVConnector, StoreHandle
+from kvshare.connector.contract import KVConnector, StoreHandle
 from kvshare.engine.block_manager import BlockManager
 from kvshare.engine.sequence import Sequence
 

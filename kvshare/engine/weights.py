@@ -14,7 +14,7 @@ import torch
 import xxhash
 from safetensors import safe_open
 
-from kvshare.engine.config import ModelConfig
+from kvshare.hf.config import ModelConfig
 from kvshare.engine.model import CausalLM
 from kvshare.identity import TensorDigests, generator_identity, model_fingerprint
 

@@ -101,7 +101,7 @@ def run_soak(config: SoakConfig) -> SoakResult:
 
 
 def _soak(config: SoakConfig, d: SoakDeployment, model_dir: Path) -> SoakResult:
-    from kvshare.engine.tokenizer import Tokenizer
+    from kvshare.hf.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(model_dir)
     tally, crashed = _Tally(), []

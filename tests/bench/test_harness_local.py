@@ -11,7 +11,6 @@ import pytest
 
 from kvshare.bench.rows import read_rows
 
-pytest.importorskip("kvshare.engine.cli", reason="`kvshare serve` (kvshare.engine.cli) is not in this tree yet")
 pytestmark = pytest.mark.slow
 
 

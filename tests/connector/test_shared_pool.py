@@ -9,7 +9,8 @@ import tempfile
 
 import pytest
 
-from kvshare.connector import ConnectorConfig, PoolConnector
+from kvshare.connector import ConnectorConfig
+from kvshare.engine.pool_connector import PoolConnector
 from kvshare.engine.api import GenerationRequest, SamplingParams
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.engine import Engine, generate

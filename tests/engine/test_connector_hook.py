@@ -8,7 +8,8 @@ from typing import Sequence
 
 import torch
 
-from kvshare.engine.api import ConnectorStats, GenerationRequest, SamplingParams, StoreHandle
+from kvshare.connector.contract import ConnectorStats, StoreHandle
+from kvshare.engine.api import GenerationRequest, SamplingParams
 from kvshare.engine.engine import generate
 from kvshare.keys import Namespace, chunk_keys
 

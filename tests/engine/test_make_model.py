@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kvshare.cli import main
-from kvshare.engine.config import ModelConfig
+from kvshare.hf.config import ModelConfig
 from kvshare.engine.model import Rotary
-from kvshare.engine.tokenizer import Tokenizer
+from kvshare.hf.tokenizer import Tokenizer
 from kvshare.engine.weights import load_model
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there, 42 cats!"}]

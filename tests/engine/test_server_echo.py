@@ -14,9 +14,10 @@ import httpx
 import pytest
 import uvicorn
 
-from kvshare.engine.api import ConnectorStats, GenerationRequest, TokenEvent, Usage
-from kvshare.engine.detokenize import IncrementalText
-from kvshare.engine.server import create_app
+from kvshare.connector.contract import ConnectorStats
+from kvshare.engine.api import GenerationRequest, TokenEvent, Usage
+from kvshare.hf.detokenize import IncrementalText
+from kvshare.serve.app import create_app
 from kvshare.router.local import free_port
 
 EOS = 256
@@ -102,8 +103,9 @@ class EchoEngine:
 @contextmanager
 def serving(engine: EchoEngine):
     """The real app on uvicorn in a thread of this process (so the test can reach into the in-test engine)."""
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, ByteTokenizer(), "echo"), host="127.0.0.1",
-                                           port=free_port(), log_level="warning"))
+    app = create_app(engine, ByteTokenizer(), "echo", is_alive=engine.is_alive,
+                     connector_stats=lambda: engine.connector.stats if engine.connector else None)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kvshare.engine.testing import make_tiny_model
-from kvshare.engine.tokenizer import Tokenizer
+from kvshare.hf.tokenizer import Tokenizer
 from kvshare.router.local import free_port
 
 MAX_MODEL_LEN = 256

@@ -68,7 +68,7 @@ def test_dummy_identity_names_seed_dtype_and_device_type(tiny_model, monkeypatch
 
 def test_serve_model_id_flag_reaches_the_engines_fingerprint(tiny_model, make_engine):
     from kvshare.cli import build
-    from kvshare.engine.cli import engine_config
+    from kvshare.serve.cli import engine_config
 
     args = build().parser.parse_args(["serve", "--model", str(tiny_model), "--model-id", "rev-7"])
     assert engine_config(args).model_id == "rev-7"

@@ -19,7 +19,7 @@ from typing import Mapping
 import torch
 
 from kvshare.connector import ConnectorCore
-from kvshare.engine.api import StoreHandle
+from kvshare.connector.contract import StoreHandle
 from kvshare.integrations.vllm.metadata import KVShareMetadata, KVShareWorkerMetadata, LoadSpec
 from kvshare.transfer import KVLayout, LayoutMismatch
 

@@ -10,10 +10,11 @@ import dataclasses
 from typing import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvshare.engine.api import ConnectorStats, Usage
+from kvshare.connector.contract import ConnectorStats
+from kvshare.engine.api import EngineLoad, Usage
 
 # Cross-replica misses on a 32B model at 256k tokens take ~90 s to prefill; hits take well under a second.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0,
@@ -93,3 +94,38 @@ class ServerMetrics:
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class EngineLoadCollector(Collector):
+    """kvshare_engine_requests and kvshare_kv_blocks_{used,total}, read from the engine at scrape time: what requests
+    hold now (a request whose client left releases its blocks at the engine's next step)."""
+
+    def __init__(self, source: Callable[[], EngineLoad]) -> None:
+        self._source = source
+
+    def collect(self):
+        load = self._source()
+        yield GaugeMetricFamily("kvshare_engine_requests", "requests the engine holds (queued or running)",
+                                value=load.requests)
+        yield GaugeMetricFamily("kvshare_kv_blocks_used", "KV blocks held by requests or by pool stores",
+                                value=load.blocks_used)
+        yield GaugeMetricFamily("kvshare_kv_blocks_total", "KV blocks in the cache", value=load.blocks_total)
+
+
+class CountRequests:
+    """ASGI middleware: counts every HTTP response by endpoint and status (streams count at their start line)."""
+
+    def __init__(self, app, metrics: ServerMetrics, endpoints: tuple[str, ...]) -> None:
+        self.app, self.metrics, self.endpoints = app, metrics, endpoints
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = scope["path"] if scope["path"] in self.endpoints else "other"
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.count_request(endpoint, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

@@ -2,7 +2,7 @@
 
 Split in two halves so that an engine whose scheduler and workers live in different processes (vLLM) can use one
 half in each: `find`/`release_hit` need no KV tensors; `attach`, `load` and `store` move bytes. `PoolConnector` puts
-both halves behind the engine-facing `kvshare.engine.api.KVConnector` protocol for the reference engine.
+both halves behind the engine-facing `kvshare.connector.contract.KVConnector` protocol for the reference engine (kvshare.engine.pool_connector).
 
 Invariants:
 - No method raises because of the pool: a missing, crashed, slow or full pool only costs recompute (I7).
@@ -16,29 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
-import threading
 import time
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import msgspec
 
-from kvshare.engine.api import ConnectorStats, StoreHandle
+from kvshare.connector.committer import Committer
+from kvshare.connector.config import ConnectorConfig
+from kvshare.connector.contract import ConnectorStats, StoreHandle
+from kvshare.connector.link import PoolLink
 from kvshare.keys import Namespace, chunk_keys, token_bytes
 
 log = logging.getLogger("kvshare.connector")
-
-
-@dataclass(frozen=True)
-class ConnectorConfig:
-    address: str  # pool socket path, "unix:PATH" or "tcp://HOST:PORT"
-    chunk_tokens: int = 256
-    timeout: float = 5.0  # per pool call
-    verify_checksums: bool = True  # hash each loaded chunk's bytes and compare with the writer's checksum (I1)
-    checksums_on: str = "device"  # CUDA replicas: "device" hashes staging on the GPU; "host" hashes the arena on
-    # host threads (the design before issue 17, kept to compare its cost); CPU replicas always hash on the host
-    retry_interval: float = 2.0  # after a connection failure, leave the pool alone this long before reconnecting
 
 
 class PoolHit(msgspec.Struct, frozen=True):
@@ -64,79 +53,6 @@ def _instance_of(client) -> str:
     return f"{client.arena_path}:{client.instance_id}"
 
 
-class _PoolLink:
-    """One connection to the pool, reopened after failures; turns every pool error into None and a counted miss.
-
-    The lock serialises (re)connection only; the client itself is thread-safe per request.
-    """
-
-    def __init__(self, config: ConnectorConfig, stats: ConnectorStats, on_connect: Callable[[object], None]):
-        self._config, self._stats, self._on_connect = config, stats, on_connect
-        self._client = None
-        self._down_until = 0.0
-        self._lock = threading.Lock()
-        self._logged: set[str] = set()
-        self._hello_sent: set[bytes] = set()
-
-    def client(self):
-        """The connected client, or None while the pool is down (then it is retried after retry_interval)."""
-        with self._lock:
-            if self._client is not None:
-                return self._client
-            if time.monotonic() < self._down_until:
-                return None
-            from kvshare.pool.client import PoolClient
-
-            try:
-                client = PoolClient.connect(self._config.address, timeout=self._config.timeout)
-                self._on_connect(client)
-            except Exception as error:  # noqa: BLE001 - any failure to connect or attach is a miss
-                self._mark_down(error)
-                return None
-            self._client, self._hello_sent = client, set()
-            self._log_once("connected", logging.INFO, f"connected to pool {self._config.address}")
-            return client
-
-    def call(self, what: str, fn: Callable, namespace: Namespace | None = None):
-        """fn(client) -> result, or None if the pool is down or answered an error (counted, logged once)."""
-        client = self.client()
-        if client is None:
-            return None
-        from kvshare.pool.client import PoolError, PoolUnavailable
-
-        try:
-            if namespace is not None and namespace.key not in self._hello_sent:
-                client.hello(namespace.key, namespace.describe())
-                self._hello_sent.add(namespace.key)
-            return fn(client)
-        except PoolUnavailable as error:
-            with self._lock:
-                if self._client is client:
-                    self._client = None
-                    self._mark_down(error)
-            return None
-        except (PoolError, OSError, ValueError) as error:
-            self._stats.errors += 1
-            self._log_once(f"{what}:{type(error).__name__}", logging.WARNING, f"pool {what} failed ({error}); recomputing")
-            return None
-
-    def _mark_down(self, error: Exception) -> None:
-        self._stats.errors += 1
-        self._down_until = time.monotonic() + self._config.retry_interval
-        self._log_once("down", logging.WARNING, f"pool {self._config.address} unavailable ({error}); serving without the shared cache until it returns")
-
-    def _log_once(self, key: str, level: int, message: str) -> None:
-        if key not in self._logged:
-            self._logged.add(key)
-            log.log(level, message)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
-
-
 class ConnectorCore:
     """Keys, LOOKUP/RESERVE/COMMIT and transfers for one engine (one TP rank)."""
 
@@ -153,8 +69,8 @@ class ConnectorCore:
         # other threads never pair one pool life's page numbers with another life's arena.
         self._attached: tuple[str, object | None] = ("", None)
         self._lease_limit = 0  # pages one connection may hold under leases (the pool's STATS; 0: none)
-        self._link = _PoolLink(config, self.stats, self._on_connect)
-        self._committer = _Committer(self)
+        self._link = PoolLink(config, self.stats, self._on_connect)
+        self._committer = Committer(self)
 
     # ---- both halves -------------------------------------------------------------------------------------------
     def namespace(self, salt: str = "") -> Namespace:
@@ -363,96 +279,3 @@ class ConnectorCore:
     def close(self) -> None:
         self._committer.flush(10.0)
         self._link.close()
-
-
-class _Committer:
-    """Background thread that commits stores once their copies complete, so the engine never waits for COMMIT."""
-
-    def __init__(self, core: ConnectorCore):
-        self._core = core
-        self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="kvshare-committer", daemon=True)
-        self._thread.start()
-
-    def submit(self, lease, refs, handle, started) -> None:
-        self._queue.put((lease, refs, handle, started))
-
-    def flush(self, timeout: float) -> None:
-        done = threading.Event()
-        self._queue.put(done)
-        done.wait(timeout)
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if isinstance(item, threading.Event):
-                item.set()
-                continue
-            lease, refs, handle, started = item
-            core = self._core
-            try:
-                handle.wait()  # the bytes are in the pages only after this (I2, I4)
-                checksums = handle.checksums()
-            except Exception as error:  # noqa: BLE001 - an unfinished store is dropped; its lease times out
-                core.stats.errors += 1
-                log.warning("pool store copy failed (%s); dropping it", error)
-                continue
-            if core._link.call("commit", lambda c: c.commit(lease, checksums) or True):
-                core.stats.stores += len(refs)
-                core.stats.store_bytes += sum(ref.nbytes for ref in refs)
-                core.stats.store_seconds += time.perf_counter() - started
-
-
-class PoolConnector:
-    """The reference engine's KVConnector: ConnectorCore plus per-request bookkeeping of hits."""
-
-    def __init__(self, core: ConnectorCore):
-        self.core = core
-        self.chunk_tokens = core.chunk_tokens
-        self.stats = core.stats
-        self._hits: dict[str, PoolHit] = {}
-        self._lock = threading.Lock()  # submit() and the engine thread may both touch _hits
-
-    @classmethod
-    def for_engine(cls, engine, config: ConnectorConfig) -> "PoolConnector":
-        from kvshare.transfer import KVLayout
-
-        layout = KVLayout.from_tensors(engine.kv_caches, kind="packed_kv", block_size=engine.block_size)
-        namespace = Namespace(
-            model_fingerprint=engine.model_fingerprint,
-            dtype=str(engine.dtype).removeprefix("torch."),
-            layout_id=layout.layout_id(),
-            chunk_tokens=config.chunk_tokens,
-        )
-        if config.chunk_tokens % engine.block_size:
-            raise ValueError(f"--chunk-tokens {config.chunk_tokens} must be a multiple of the block size {engine.block_size}")
-        core = ConnectorCore(config, namespace)
-        core.attach(layout, engine.kv_caches)
-        return cls(core)
-
-    def lookup(self, request_id: str, token_ids: Sequence[int], num_computed: int, salt: str = "") -> int:
-        hit = self.core.find(token_ids, num_computed, salt)
-        if hit is None:
-            return 0
-        with self._lock:
-            self._hits[request_id] = hit
-        return (hit.first_chunk + hit.num_chunks) * self.chunk_tokens - num_computed
-
-    def load(self, request_id: str, block_ids: Sequence[int], num_computed: int, num_tokens: int) -> bool:
-        with self._lock:
-            hit = self._hits.pop(request_id, None)
-        if hit is None:
-            return False
-        return self.core.load(hit, block_ids, num_computed)
-
-    def release(self, request_id: str) -> None:
-        with self._lock:
-            hit = self._hits.pop(request_id, None)
-        if hit is not None:
-            self.core.release_hit(hit)
-
-    def store(self, request_id, token_ids, block_ids, num_stored, salt: str = "") -> StoreHandle | None:
-        return self.core.store(token_ids, block_ids, num_stored, salt)
-
-    def close(self) -> None:
-        self.core.close()

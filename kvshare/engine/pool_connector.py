@@ -1,0 +1,67 @@
+"""The reference engine's KV connector: the connector core (kvshare.connector) plus per-request bookkeeping of the
+hits a LOOKUP found, behind the engine-facing KVConnector protocol (kvshare.connector.contract)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+from kvshare.connector.contract import StoreHandle
+from kvshare.connector.config import ConnectorConfig
+from kvshare.connector.core import ConnectorCore, PoolHit
+from kvshare.keys import Namespace
+
+
+class PoolConnector:
+    """The reference engine's KVConnector: ConnectorCore plus per-request bookkeeping of hits."""
+
+    def __init__(self, core: ConnectorCore):
+        self.core = core
+        self.chunk_tokens = core.chunk_tokens
+        self.stats = core.stats
+        self._hits: dict[str, PoolHit] = {}
+        self._lock = threading.Lock()  # submit() and the engine thread may both touch _hits
+
+    @classmethod
+    def for_engine(cls, engine, config: ConnectorConfig) -> "PoolConnector":
+        from kvshare.transfer import KVLayout
+
+        layout = KVLayout.from_tensors(engine.kv_caches, kind="packed_kv", block_size=engine.block_size)
+        namespace = Namespace(
+            model_fingerprint=engine.model_fingerprint,
+            dtype=str(engine.dtype).removeprefix("torch."),
+            layout_id=layout.layout_id(),
+            chunk_tokens=config.chunk_tokens,
+        )
+        if config.chunk_tokens % engine.block_size:
+            raise ValueError(f"--chunk-tokens {config.chunk_tokens} must be a multiple of the block size {engine.block_size}")
+        core = ConnectorCore(config, namespace)
+        core.attach(layout, engine.kv_caches)
+        return cls(core)
+
+    def lookup(self, request_id: str, token_ids: Sequence[int], num_computed: int, salt: str = "") -> int:
+        hit = self.core.find(token_ids, num_computed, salt)
+        if hit is None:
+            return 0
+        with self._lock:
+            self._hits[request_id] = hit
+        return (hit.first_chunk + hit.num_chunks) * self.chunk_tokens - num_computed
+
+    def load(self, request_id: str, block_ids: Sequence[int], num_computed: int, num_tokens: int) -> bool:
+        with self._lock:
+            hit = self._hits.pop(request_id, None)
+        if hit is None:
+            return False
+        return self.core.load(hit, block_ids, num_computed)
+
+    def release(self, request_id: str) -> None:
+        with self._lock:
+            hit = self._hits.pop(request_id, None)
+        if hit is not None:
+            self.core.release_hit(hit)
+
+    def store(self, request_id, token_ids, block_ids, num_stored, salt: str = "") -> StoreHandle | None:
+        return self.core.store(token_ids, block_ids, num_stored, salt)
+
+    def close(self) -> None:
+        self.core.close()

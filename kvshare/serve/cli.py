@@ -1,0 +1,112 @@
+"""`kvshare serve`: the reference engine behind the OpenAI-compatible server, attached to a pool or not."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from kvshare.httpguard.limits import add_flags as add_http_limit_flags
+
+log = logging.getLogger(__name__)
+
+
+def register(cli) -> None:
+    serve = cli.command("serve", "run the reference engine behind an OpenAI-compatible HTTP server")
+    serve.add_argument("--model", required=True, help="Hugging Face model folder (config.json, weights, tokenizer)")
+    serve.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                       help="auto: the folder's safetensors; dummy: seeded random weights")
+    serve.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
+    serve.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                       help="default: float32 on cpu, bfloat16 on cuda")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--pool", default="none", help="the pool's socket path, or none (cache OFF)")
+    serve.add_argument("--chunk-tokens", type=int, default=256, help="pool chunk size (a multiple of --block-size)")
+    serve.add_argument("--verify-checksums", action=argparse.BooleanOptionalAction, default=True,
+                       help="hash every loaded chunk on the host (up to 16 threads, while the copies run) and recompute "
+                            "on a mismatch; --no-verify-checksums trusts the pool's bytes")
+    serve.add_argument("--block-size", type=int, default=16)
+    size = serve.add_mutually_exclusive_group()
+    size.add_argument("--num-blocks", type=int, default=None, help="KV cache size in blocks")
+    size.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 4GiB")
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per chunk of prefill's token-wise work")
+    serve.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together")
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
+    serve.add_argument("--model-id", default="",
+                       help="a name for these exact weights (e.g. a repository revision), added to the model identity "
+                            "that decides which replicas share KV; the weights' bytes are always hashed too "
+                            "(default: none)")
+    serve.add_argument("--threads", type=int, default=None, help="torch CPU threads (pin both arms of a benchmark)")
+    serve.add_argument("--max-stop-strings", type=int, default=16, metavar="N",
+                       help="most stop strings one request may send (default: %(default)s)")
+    serve.add_argument("--max-stop-chars", type=int, default=256, metavar="N",
+                       help="longest stop string, in characters (default: %(default)s)")
+    add_http_limit_flags(serve)
+    serve.set_defaults(run=run_serve)
+
+
+def engine_config(args: argparse.Namespace):
+    from kvshare.engine.config import EngineConfig
+    from kvshare.hf.config import default_dtype
+    from kvshare.units import parse_size
+
+    dtype = args.dtype or default_dtype(args.device)
+    return EngineConfig(
+        model=args.model, load_format=args.load_format, device=args.device, dtype=dtype, block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_memory=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
+        max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk, max_num_seqs=args.max_num_seqs,
+        seed=args.seed, served_model_name=args.served_model_name, model_id=args.model_id,
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvshare.engine.engine import Engine
+    from kvshare.serve.app import serve
+    from kvshare.hf.tokenizer import Tokenizer
+    from kvshare.httpguard.limits import from_args as http_limits_from_args
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda"):
+        # Read at the first CUDA allocation, so set before the engine exists. A long prefill allocates large, varying
+        # temporaries beside a KV cache that fills the GPU; the H200 measurements (docs/results/h200, up to 136 of
+        # 139 GiB at 256k) ran with expandable segments, so the server runs the same way unless told otherwise.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if args.chunk_tokens % args.block_size:
+        log.error("--chunk-tokens %d is not a multiple of --block-size %d", args.chunk_tokens, args.block_size)
+        return 2
+    try:
+        limits, http_limits = request_limits(args), http_limits_from_args(args)
+    except ValueError as error:
+        log.error("kvshare serve: %s", error)
+        return 2
+    tokenizer = Tokenizer.from_dir(args.model)
+    engine = Engine(engine_config(args))
+    if args.pool != "none":
+        from kvshare.connector import ConnectorConfig
+        from kvshare.engine.pool_connector import PoolConnector
+
+        engine.set_connector(PoolConnector.for_engine(
+            engine, ConnectorConfig(address=args.pool, chunk_tokens=args.chunk_tokens,
+                                    verify_checksums=args.verify_checksums)))
+    try:
+        serve(engine, tokenizer, host=args.host, port=args.port, model_name=engine.model_name,
+              is_alive=engine.is_alive, connector_stats=lambda: engine.connector.stats if engine.connector else None,
+              engine_load=engine.load, limits=limits, http_limits=http_limits)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def request_limits(args: argparse.Namespace):
+    from kvshare.serve.validation import RequestLimits
+
+    if args.max_stop_strings < 0 or args.max_stop_chars < 1:
+        raise ValueError("--max-stop-strings must be >= 0 and --max-stop-chars >= 1")
+    return RequestLimits(max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars)
