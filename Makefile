@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(VENV)/bin/kvshare pool bench
+	$(VENV)/bin/kvshare bench pool
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -11,12 +11,11 @@ import sys
 # so that `kvshare --help` stays fast.
 COMMAND_MODULES = (
     "kvshare.pool.cli",  # kvshare pool serve|stats|check|bench
-    "kvshare.transfer.cli",  # kvshare validate transfer, kvshare bench transfer
     "kvshare.serve.cli",  # kvshare serve
     "kvshare.engine.cli",  # kvshare make-model
     "kvshare.router.cli",  # kvshare route
-    "kvshare.bench.cli",  # kvshare bench cross-replica|sessions, kvshare demo, kvshare validate service
-    "kvshare.validate.cli",  # kvshare validate soak
+    "kvshare.bench.cli",  # kvshare bench cross-replica|sessions|pool|transfer|router-overhead, kvshare demo
+    "kvshare.validate.cli",  # kvshare validate transfer|service|soak|hostile
 )
 GROUPS = {
     "pool": "the shared host-memory KV pool",

@@ -1,8 +1,9 @@
-"""Registers `kvshare bench cross-replica`, `kvshare bench sessions`, `kvshare validate service` and `kvshare demo`."""
+"""Registers every `kvshare bench` command (cross-replica, sessions, pool, transfer, router-overhead) and `kvshare demo`."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -33,13 +34,7 @@ def register(cli) -> None:
     sess.add_argument("--placements", default="alternate,fixed")
     sess.set_defaults(run=_sessions)
 
-    service = cli.command("service", "greedy answers with the pool OFF and ON (cross-replica) must be equal",
-                          group="validate")
-    _deployment_flags(service)
-    service.add_argument("--prompts", type=int, default=4)
-    service.add_argument("--length", type=int, default=600, help="document tokens of each prompt")
-    service.add_argument("--max-tokens", type=int, default=24)
-    service.set_defaults(run=_service)
+    register_micro(cli)
 
     demo = cli.command("demo", "the mechanism at CPU scale in a few minutes: pool, two replicas, router, report")
     demo.add_argument("--model-dir", type=Path, default=Path(".models/small"),
@@ -50,6 +45,29 @@ def register(cli) -> None:
     demo.add_argument("--contexts", default="1k")
     demo.add_argument("--threads", type=int, default=1, help="threads per replica (two replicas run at once)")
     demo.set_defaults(run=_demo)
+
+
+def register_micro(cli) -> None:
+    """The micro-benchmarks: the pool, the transfer layer, the router's overhead."""
+    pool_bench = cli.command("pool", "pool vs memcpy vs Redis: store/retrieve GB/s, LOOKUP latency, start-up", group="bench")
+    pool_bench.add_argument("--chunks", type=int, default=1024, help="1 MiB chunks to store and retrieve (default 1024)")
+    pool_bench.add_argument("--repeats", type=int, default=5, help="timed passes per measurement; the best is reported")
+    pool_bench.add_argument("--startup-size", default="4GiB", help="pool size whose start-up time is measured")
+    pool_bench.add_argument("--json", default="", metavar="PATH", help="also write the results as JSON")
+    pool_bench.add_argument("--no-redis", action="store_true", help="skip the Redis comparison")
+    pool_bench.set_defaults(run=_pool)
+    transfer_bench = cli.command("transfer", "store/load GB/s of a Qwen2.5-32B-shaped KV vs the copy ceiling", group="bench")
+    transfer_bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    transfer_bench.add_argument("--tokens", type=int, default=32768)
+    transfer_bench.add_argument("--reps", type=int, default=5)
+    transfer_bench.add_argument("--layers", type=int, default=None, help="default 64 on CUDA, 8 on CPU (to fit in RAM)")
+    transfer_bench.add_argument("--json", default=None, help="write the results here")
+    transfer_bench.set_defaults(run=_transfer)
+    overhead = cli.command("router-overhead", help="TTFT through the router vs direct, on loopback", group="bench")
+    overhead.add_argument("--requests", type=int, default=200, help="requests per arm")
+    overhead.add_argument("--first-token-delay-ms", type=float, default=20.0, help="stub replica's time to first token")
+    overhead.add_argument("--json", metavar="PATH", help="write the results as JSON here")
+    overhead.set_defaults(run=_router_overhead)
 
 
 def _deployment_flags(parser: argparse.ArgumentParser) -> None:
@@ -117,25 +135,6 @@ def _run_plan(args, name: str, parts) -> int:
     return runner.run_plan(plan, factory, codec, _command()).exit_code
 
 
-def _service(args: argparse.Namespace) -> int:
-    from kvshare.bench import runner
-    from kvshare.bench.client import BenchError
-    from kvshare.bench.service import ServiceConfig, print_verdict, validate_service
-
-    out = args.out or runner.default_out("validate-service")
-    try:
-        factory = runner.deployment_factory(args, out)
-        codec = runner.load_codec(args)
-    except BenchError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    out.mkdir(parents=True, exist_ok=True)
-    config = ServiceConfig(prompts=args.prompts, length=args.length, max_tokens=args.max_tokens, seed=args.seed)
-    verdict = validate_service(factory, codec, config, out)
-    print_verdict(verdict)
-    return 0 if verdict.passed else 1
-
-
 def _demo(args: argparse.Namespace) -> int:
     from kvshare.bench import runner
     from kvshare.bench.client import BenchError
@@ -154,3 +153,32 @@ def _command() -> str:
     from kvshare.bench.report import command_line
 
     return command_line()
+
+
+def _pool(args: argparse.Namespace) -> int:
+    from kvshare.bench.pool import BenchConfig, run_bench
+
+    config = BenchConfig(chunks=args.chunks, repeats=args.repeats, startup_size=args.startup_size,
+                         redis=not args.no_redis, command=" ".join(["kvshare", *sys.argv[1:]]))
+    return run_bench(config, json_path=args.json)
+
+
+def _transfer(args) -> int:
+    from kvshare.bench.transfer import BenchConfig, print_results, run
+
+    config = BenchConfig(device=args.device, tokens=args.tokens, reps=args.reps, layers=args.layers)
+    results = run(config)
+    print_results(results)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({**results, "command": sys.argv}, out, indent=2)
+    return 0
+
+
+def _router_overhead(args: argparse.Namespace) -> int:
+    from kvshare.bench.router_overhead import run_overhead_bench
+
+    from kvshare.router.cli import quiet_http_client_logs
+
+    quiet_http_client_logs()
+    return run_overhead_bench(args.requests, args.first_token_delay_ms, args.json)

@@ -1,4 +1,4 @@
-"""`kvshare pool serve|stats|check|bench`: flags map one to one onto PoolConfig; handlers import lazily."""
+"""`kvshare pool serve|stats|check`: flags map one to one onto PoolConfig; handlers import lazily."""
 
 from __future__ import annotations
 
@@ -81,13 +81,6 @@ def register(cli) -> None:
     check.add_argument("--page-size", default="2MiB", help="page size of the pool to start (default 2MiB)")
     check.set_defaults(run=_check)
 
-    bench = cli.command("bench", "pool vs memcpy vs Redis: store/retrieve GB/s, LOOKUP latency, start-up", group="pool")
-    bench.add_argument("--chunks", type=int, default=1024, help="1 MiB chunks to store and retrieve (default 1024)")
-    bench.add_argument("--repeats", type=int, default=5, help="timed passes per measurement; the best is reported")
-    bench.add_argument("--startup-size", default="4GiB", help="pool size whose start-up time is measured")
-    bench.add_argument("--json", default="", metavar="PATH", help="also write the results as JSON")
-    bench.add_argument("--no-redis", action="store_true", help="skip the Redis comparison")
-    bench.set_defaults(run=_bench)
     l2_cli.register(cli)  # kvshare pool bench-l2
 
 
@@ -142,11 +135,3 @@ def _check(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     return run_check(size=args.size, socket=args.socket, page_size=args.page_size, destructive=args.destructive)
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from kvshare.pool.bench import BenchConfig, run_bench
-
-    config = BenchConfig(chunks=args.chunks, repeats=args.repeats, startup_size=args.startup_size,
-                         redis=not args.no_redis, command=" ".join(["kvshare", *sys.argv[1:]]))
-    return run_bench(config, json_path=args.json)

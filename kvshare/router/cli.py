@@ -30,12 +30,6 @@ def register(cli) -> None:
     add_http_limit_flags(route)
     route.set_defaults(run=_route)
 
-    bench = cli.command("router-overhead", help="TTFT through the router vs direct, on loopback", group="bench")
-    bench.add_argument("--requests", type=int, default=200, help="requests per arm")
-    bench.add_argument("--first-token-delay-ms", type=float, default=20.0, help="stub replica's time to first token")
-    bench.add_argument("--json", metavar="PATH", help="write the results as JSON here")
-    bench.set_defaults(run=_bench)
-
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     from kvshare.httpguard.limits import from_args as http_limits_from_args
@@ -74,10 +68,3 @@ def _route(args: argparse.Namespace) -> int:
     quiet_http_client_logs()
     serve(app, config.host, config.port, config.http)
     return 0
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from kvshare.router.bench import run_overhead_bench
-
-    quiet_http_client_logs()
-    return run_overhead_bench(args.requests, args.first_token_delay_ms, args.json)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvshare.router.bench import run_overhead_bench
+from kvshare.bench.router_overhead import run_overhead_bench
 from kvshare.router.config import RouterConfig, read_replicas_file
 
 

@@ -122,7 +122,7 @@ def test_bad_setup_is_refused(arena):
 
 
 def test_round_trip_through_a_real_pool():
-    from kvshare.transfer.validate import ValidateConfig, run
+    from kvshare.validate.transfer import ValidateConfig, run
 
     report = run(ValidateConfig(device="cpu", trials=3))
     assert report.passed and report.modes[0].trials == 3, report

@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 
 from kvshare.keys import chunk_keys, token_bytes
-from kvshare.pool.bench import best_rate, machine
+from kvshare.bench.pool import best_rate, machine
 from kvshare.pool.client import NewChunk, PoolClient, checksum
 from kvshare.pool.l2 import codec
 from kvshare.pool.l2.testing import REDIS_MISSING, redis_available, start_redis, start_redis_cluster, url_of

@@ -1,7 +1,7 @@
 """Issue 9's side-by-side: our two-H200 figures (summary.json of `kvshare bench cross-replica` and `sessions`) next
 to the case study's, as a Markdown table and one plot.
 
-    python scripts/h200x2_compare.py --cross docs/results/h200x2/cross-32k/summary.json \
+    python experiments/h200x2_compare.py --cross docs/results/h200x2/cross-32k/summary.json \
         --cross docs/results/h200x2/cross-128k/summary.json --cross docs/results/h200x2/cross-255k/summary.json \
         --sessions docs/results/h200x2/sessions-2/summary.json --out docs/results/h200x2
 

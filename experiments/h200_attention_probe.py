@@ -2,7 +2,7 @@
 qwen2.5-32b shape timed as the engine runs it (attention vs the token-wise rest), and whole-sequence causal attention
 timed per SDPA backend and layout, so the next change is chosen by measurement. One device call of about a minute:
 
-    PYTHONPATH=. python3 scripts/h200_attention_probe.py --lengths 32768,131072 --out $OUT
+    PYTHONPATH=. python3 experiments/h200_attention_probe.py --lengths 32768,131072 --out $OUT
 
 Parts (--parts, default all): `attention` (backends x layouts), `layers` (attention vs rest in one layer), `prefix`
 (a long prompt after a 16-token prefix-cache hit: the engine's square form vs the lower-right mask it used before),
@@ -28,7 +28,7 @@ from kvshare.engine import attention, model
 from kvshare.hf.config import ModelConfig
 from kvshare.engine.make_model import make_model
 from kvshare.engine.model import DecoderLayer, Rotary
-from h200_prefill import layer_flops  # scripts/ is on sys.path when this script runs
+from h200_prefill import layer_flops  # experiments/ is on sys.path when this script runs
 
 MATMUL_PEAK, ATTENTION_PEAK = 719e12, 602e12  # measured on the H200 (../shared/FACTS.md)
 BACKENDS = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}

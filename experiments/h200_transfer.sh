@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The transfer layer on a CUDA host, one command: pytest (CUDA tests included), validate transfer (race test with
 # its negative control), bench transfer (Qwen2.5-32B-shaped KV). Logs and JSON go to $OUT; a short table comes last.
-# Run from the repository root: OUT=/some/dir bash scripts/h200_transfer.sh   (about 2-3 minutes on an H200)
+# Run from the repository root: OUT=/some/dir bash experiments/h200_transfer.sh   (about 2-3 minutes on an H200)
 set -uo pipefail
 OUT=${OUT:-out/transfer}
 mkdir -p "$OUT"

@@ -1,6 +1,6 @@
 """Issue 17: what checksum verification costs a cross-replica load on one H200, the arms side by side in one run.
 
-    PYTHONPATH=/tmp/site:.:scripts python3 scripts/h200_verify_cost.py run --out $OUT
+    PYTHONPATH=/tmp/site:.:experiments python3 experiments/h200_verify_cost.py run --out $OUT
 
 Replica A (a process running the engine in-process, as in h200_cross_replica.py) prefills the documents and stores
 them in the pool; then one fresh replica B process per arm loads them (a fresh process, so every document is a
@@ -22,7 +22,7 @@ hash's vs xxh3's (one thread and 16).
 Rows go to OUT/rows.jsonl as they are measured; OUT/summary.json and the printed table at the end.
 
 A dry run of everything but the GPU parts, on a CPU with a tiny model (probe: host rates only):
-    python scripts/h200_verify_cost.py run --device cpu --preset tiny --lengths 512,1024 --reps 2,1 \
+    python experiments/h200_verify_cost.py run --device cpu --preset tiny --lengths 512,1024 --reps 2,1 \
         --pool-size 256MiB --max-model-len 2048 --warmup 256 --out /tmp/verify-cost
 """
 

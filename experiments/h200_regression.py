@@ -1,6 +1,6 @@
 """GPU service regression that separates the transfer from the kernels: one prompt, three ways on one GPU.
 
-    PYTHONPATH=/tmp/site:. python3 scripts/h200_regression.py --out $OUT
+    PYTHONPATH=/tmp/site:. python3 experiments/h200_regression.py --out $OUT
 
 ON (engine B loads the prefix that engine A stored in the pool), LOCAL (B again: the same prefix from its own prefix
 cache - the same attention kernels as ON, no transfer) and OFF (engine C, no cache: whole-sequence attention). The

@@ -1,7 +1,7 @@
 """Cross-replica TTFT on one GPU (issue 8): replicas A and B are separate processes sharing one pool; the 32B
 model fits only one at a time, so A runs, stores its documents and exits, then B runs. Block order OFF-ON-ON-OFF.
 
-    PYTHONPATH=/tmp/site:. python3 scripts/h200_cross_replica.py --lengths 32768,131072 --reps 2,2 --out $OUT
+    PYTHONPATH=/tmp/site:. python3 experiments/h200_cross_replica.py --lengths 32768,131072 --reps 2,2 --out $OUT
 
 Each replica is a process running the kvshare engine in-process (no HTTP): TTFT = submit -> first token event,
 with the device synchronised by the sampler's read of the logits. OFF blocks run B without a pool (A's warm request

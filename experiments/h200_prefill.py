@@ -1,7 +1,7 @@
 """Prefill speed of the reference engine on one H200: qwen2.5-32b shape, dummy bf16 weights, one prefill each of
 8k/32k/128k/256k tokens plus a local prefix-cache hit; TTFT vs the 790 TFLOP/s bf16 roofline. Writes JSON to $OUT.
 
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH=. python scripts/h200_prefill.py
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH=. python experiments/h200_prefill.py
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`kvshare pool bench`: store/retrieve 1 MiB chunks through the pool vs plain memcpy vs Redis, LOOKUP latency of a
+"""`kvshare bench pool`: store/retrieve 1 MiB chunks through the pool vs plain memcpy vs Redis, LOOKUP latency of a
 1,024-chunk key list, and pool start-up seconds per GiB, with the issue's targets as ratios. A benchmark, not a test.
 
 Every rate is the best of `repeats` timed passes over the same bytes, measured side by side in one run.
@@ -40,7 +40,7 @@ class BenchConfig:
     repeats: int = 5
     startup_size: str = "4GiB"
     redis: bool = True
-    command: str = "kvshare pool bench"
+    command: str = "kvshare bench pool"
     redis_chunks: int = 256  # redis-py GET runs at ~0.2 GB/s here: bound its share of the run
 
 

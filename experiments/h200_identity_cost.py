@@ -1,7 +1,7 @@
 """What hashing the weights for the model identity costs at load time, side by side in one run.
 
-    PYTHONPATH=/tmp/site:. python3 scripts/h200_identity_cost.py --size-gb 12 --out $OUT          # H200
-    .venv/bin/python scripts/h200_identity_cost.py --preset small --device cpu --out docs/results  # a preset
+    PYTHONPATH=/tmp/site:. python3 experiments/h200_identity_cost.py --size-gb 12 --out $OUT          # H200
+    .venv/bin/python experiments/h200_identity_cost.py --preset small --device cpu --out docs/results  # a preset
 
 Writes a safetensors checkpoint (a generated Llama shape of about --size-gb, in shards of --shard-gb, or a
 `make-model` preset) into --work-dir, then times reading it onto --device in --dtype, the arms alternated, --repeats

@@ -1,6 +1,6 @@
 """Does a pool store slow the decode it runs beside? One engine, one GPU, decode time per token of fresh prompts:
 
-    PYTHONPATH=/tmp/site:. python3 scripts/h200_decode_probe.py --length 32768 --out $OUT
+    PYTHONPATH=/tmp/site:. python3 experiments/h200_decode_probe.py --length 32768 --out $OUT
 
 On two H200s, fixed-placement sessions decoded 0.6-2.7 s slower per 32-token answer with the pool ON while TTFT was
 unchanged (docs/results/h200x2/NOTES.md). Each condition sends a fresh prompt and times every streamed token:

@@ -3,11 +3,11 @@
 # `kvshare serve` replicas of the qwen2.5-32b shape (dummy bf16 weights), one per GPU, and for sessions the router in
 # front - driven by `kvshare bench` over HTTP with streaming. One part per device call (each must end within 10 min):
 #
-#   bash scripts/h200x2_run.sh check      CUDA tests of the engine and transfer layer, then cross-replica at 128k
-#   bash scripts/h200x2_run.sh cross256a  cross-replica at 255k (261120 tokens + a 64-token question: fits 262144),
+#   bash experiments/h200x2_run.sh check      CUDA tests of the engine and transfer layer, then cross-replica at 128k
+#   bash experiments/h200x2_run.sh cross256a  cross-replica at 255k (261120 tokens + a 64-token question: fits 262144),
 #                                         blocks OFF1 and ON1 (the four blocks outlast one 10-minute call)
-#   ROWS=.../requests.jsonl bash scripts/h200x2_run.sh cross256b   blocks ON2 and OFF2, reported with cross256a's rows
-#   bash scripts/h200x2_run.sh sessions   six-turn sessions at 32k and 128k, alternate vs fixed, pool OFF vs ON
+#   ROWS=.../requests.jsonl bash experiments/h200x2_run.sh cross256b   blocks ON2 and OFF2, reported with cross256a's rows
+#   bash experiments/h200x2_run.sh sessions   six-turn sessions at 32k and 128k, alternate vs fixed, pool OFF vs ON
 #
 # A 255k prompt is 64 GiB of KV; the pool's default lease limit is half its arena, so the 255k parts default to a
 # 136 GiB pool (limit 68 GiB): with less, A stores and B loads only the part of the document under the limit.

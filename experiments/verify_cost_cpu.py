@@ -3,7 +3,7 @@ layers, 4 KV heads, head 64, 24 KiB a token) without verification, with the chun
 before issue 17 (xxh3-64 on host threads, rebuilt here for the comparison only). Same process, same pages, arms
 interleaved, medians of 15 loads each.
 
-    python scripts/verify_cost_cpu.py --tokens 1024,8192
+    python experiments/verify_cost_cpu.py --tokens 1024,8192
 """
 
 from __future__ import annotations
