@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import torch

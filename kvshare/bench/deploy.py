@@ -8,27 +8,20 @@ its socket and arena on SIGTERM.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import secrets
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Protocol
 
 import httpx
 
 from kvshare.bench.client import BenchError, EndpointUnreachable
-from kvshare.router.local import free_port
+from kvshare.processes import ManagedProcess, NotReady, free_port, kvshare_argv, wait_http_ready, wait_socket_ready
 
 log = logging.getLogger(__name__)
-STOP_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -116,39 +109,6 @@ class EndpointDeployment:
         pass
 
 
-class ManagedProcess:
-    """A child process in its own process group, with its output in a log file."""
-
-    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None):
-        self.name, self.log_path = name, log_path
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with log_path.open("ab") as log_file:
-            # start_new_session: Ctrl-C in the terminal reaches only us; we stop the children ourselves, in order.
-            self.popen = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-                                          env={**os.environ, **(env or {})})
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if not self.alive():
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.popen.pid, signal.SIGTERM)
-        try:
-            self.popen.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait(STOP_GRACE_S)
-
-
 class LocalDeployment:
     """Starts a pool, two `kvshare serve` replicas per arm and a router; restarts replicas when the arm changes."""
 
@@ -178,7 +138,7 @@ class LocalDeployment:
             # Both replicas start at once (on GPUs each start maps and registers the pool's arena: tens of seconds).
             started = [self._spawn_replica(name, arm, i) for i, name in enumerate(("a", "b"))]
             for process, url in started:
-                wait_http_ready(url, process, self.config.ready_timeout_s)
+                _started(wait_http_ready, url, process, self.config.ready_timeout_s)
             urls = tuple(url for _, url in started)
             self.endpoints, self.arm, self._policy = Endpoints(urls), arm, None
         if policy and policy != self._policy:
@@ -232,7 +192,7 @@ class LocalDeployment:
                 argv += ["--replica", url]
             self.router = ManagedProcess("router", argv, self.config.log_dir / f"router-{self.arm}.log")
             url = f"http://127.0.0.1:{port}"
-            wait_http_ready(url, self.router, self.config.ready_timeout_s)
+            _started(wait_http_ready, url, self.router, self.config.ready_timeout_s)
             self.endpoints = Endpoints(self.endpoints.replicas, url)
         else:
             set_router_policy(self.endpoints.router, policy, self.admin_token)
@@ -242,7 +202,7 @@ class LocalDeployment:
         argv = kvshare_argv("pool", "serve", "--size", self.config.pool_size, "--socket", self.pool_socket,
                         "--arena", str(self.pool_arena))
         self.pool = ManagedProcess("pool", argv, self.config.log_dir / "pool.log")
-        wait_socket_ready(self.pool_socket, self.pool, self.config.ready_timeout_s)
+        _started(wait_socket_ready, self.pool_socket, self.pool, self.config.ready_timeout_s)
 
     def _spawn_replica(self, name: str, arm: str, index: int) -> tuple[ManagedProcess, str]:
         c, port = self.config, free_port()
@@ -283,60 +243,10 @@ def set_router_policy(router_url: str, policy: str, admin_token: str | None = No
         raise BenchError(f"router {router_url} refused policy {policy!r}: {response.status_code} {response.text[:300]}")
 
 
-def wait_http_ready(url: str, process: ManagedProcess, timeout_s: float) -> None:
-    """Poll GET /health until 200; fail early, with the log's tail, when the process dies."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        _check_starting(process, deadline, url)
-        time.sleep(0.2)
-
-
-def wait_socket_ready(path: str, process: ManagedProcess, timeout_s: float) -> None:
-    """Poll until the server accepts on the Unix socket at `path`; fail early, with the log's tail, when it dies."""
-    deadline = time.monotonic() + timeout_s
-    while not _socket_accepts(path):
-        _check_starting(process, deadline, f"socket {path}")
-        time.sleep(0.05)
-
-
-def _check_starting(process: ManagedProcess, deadline: float, what: str) -> None:
-    if not process.alive():
-        raise BenchError(f"{process.name} exited with code {process.popen.returncode} before {what} was ready; "
-                         f"its log ({process.log_path}) ends with:\n{process.log_tail()}")
-    if time.monotonic() > deadline:
-        raise BenchError(f"{process.name} did not get ready ({what}) in time; see {process.log_path}")
-
-
-def _socket_accepts(path: str) -> bool:
-    """True once a server accepts connections on the Unix socket at `path`."""
-    if not os.path.exists(path):
-        return False
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        try:
-            sock.connect(path)
-            return True
-        except OSError:
-            return False
-
-
-def kvshare_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvshare.cli", *args]
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """Turn SIGTERM into KeyboardInterrupt for the duration, so `finally` blocks stop everything we started."""
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, handler)
+def _started(wait, *args) -> None:
+    """A kvshare.processes wait, failing with the harness's own error (a deployment that does not start ends the run
+    with its report, not a traceback)."""
     try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+        wait(*args)
+    except NotReady as error:
+        raise BenchError(str(error)) from None

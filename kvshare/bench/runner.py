@@ -17,8 +17,8 @@ from typing import Callable
 from kvshare.bench import cross_replica, report, sessions
 from kvshare.bench.client import BenchError
 from kvshare.bench.cross_replica import CrossReplicaConfig
-from kvshare.bench.deploy import Deployment, EndpointDeployment, Endpoints, LocalConfig, LocalDeployment, \
-    sigterm_as_interrupt
+from kvshare.bench.deploy import Deployment, EndpointDeployment, Endpoints, LocalConfig, LocalDeployment
+from kvshare.processes import sigterm_as_interrupt
 from kvshare.bench.rows import RequestRow, RowWriter, read_rows
 from kvshare.bench.sessions import SessionsConfig
 from kvshare.bench.workload import Codec

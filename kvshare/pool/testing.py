@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
-import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Iterator
 
 from kvshare.pool.client import PoolClient, PoolUnavailable
+from kvshare.processes import ManagedProcess, kvshare_argv
 
 _FLAGS = {  # start_pool keyword -> serve flag
     "page_size": "--page-size", "lease_timeout": "--lease-timeout", "high_watermark": "--high-watermark",
@@ -41,29 +41,27 @@ def start_pool(
     with tempfile.TemporaryDirectory(prefix="kvshare-pool-") as tmp:
         address = opts.pop("socket", None) or os.path.join(tmp, "pool.sock")  # a fixed path lets a test restart a pool
         arena = opts.pop("arena", None) or f"/dev/shm/kvshare-test-{os.getpid()}-{os.path.basename(tmp)}.arena"
-        command = [sys.executable, "-m", "kvshare.cli", "pool", "serve", "--size", str(size), "--socket", address,
-                   "--arena", arena]
+        command = kvshare_argv("pool", "serve", "--size", str(size), "--socket", address, "--arena", arena)
         for name, value in opts.items():
             command += [_FLAGS[name], str(value)]
         if check_integrity:
             command.append("--check-integrity")
-        log_path = os.path.join(tmp, "serve.log")
-        with open(log_path, "wb") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        managed = ManagedProcess("pool", command, Path(tmp) / "serve.log", env)
         try:
-            _wait_serving(address, process, log_path, timeout, wait_ready)
-            yield address, process
+            _wait_serving(address, managed, timeout, wait_ready)
+            yield address, managed.popen
         finally:
-            _stop(process)
+            managed.stop()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(arena)
 
 
-def _wait_serving(address: str, process: subprocess.Popen, log_path: str, timeout: float, wait_ready: bool) -> None:
+def _wait_serving(address: str, process: ManagedProcess, timeout: float, wait_ready: bool) -> None:
+    """Until the pool answers (with wait_ready: until every page is prepared); its log's tail if it dies first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"pool exited with {process.returncode} before serving:\n{_tail(log_path)}")
+        if not process.alive():
+            raise RuntimeError(f"pool exited with {process.popen.returncode} before serving:\n{process.log_tail(30)}")
         try:
             with PoolClient.connect(address, timeout=2.0, map_arena=False) as client:
                 if not wait_ready or client.stats().ready:
@@ -72,19 +70,4 @@ def _wait_serving(address: str, process: subprocess.Popen, log_path: str, timeou
             pass
         time.sleep(0.05)
     raise TimeoutError(f"pool did not become {'ready' if wait_ready else 'reachable'} in {timeout} s:\n"
-                       f"{_tail(log_path)}")
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _tail(path: str, lines: int = 30) -> str:
-    with open(path, errors="replace") as f:
-        return "".join(f.readlines()[-lines:])
+                       f"{process.log_tail(30)}")

@@ -8,14 +8,11 @@ file a pool life created, also after a crash of the soak itself.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvshare.bench.deploy import ManagedProcess, free_port, kvshare_argv, wait_http_ready, wait_socket_ready
+from kvshare.processes import ManagedProcess, free_port, kvshare_argv, wait_http_ready, wait_socket_ready
 
 READY_TIMEOUT_S = 180.0
 
@@ -86,11 +83,12 @@ class SoakDeployment:
 
     def kill_pool(self) -> None:
         """SIGKILL the pool (no cleanup runs, like a crash) and remove its arena file."""
-        _kill(self.pool)
+        if self.pool is not None:
+            self.pool.kill()
         self._arenas[-1].unlink(missing_ok=True)
 
     def kill_replica(self, name: str) -> None:
-        _kill(self.processes[name])
+        self.processes[name].kill()
 
     # ---- stop ----------------------------------------------------------------------------------------------------
 
@@ -109,11 +107,3 @@ class SoakDeployment:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _kill(process: ManagedProcess | None) -> None:
-    if process is None or not process.alive():
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.popen.pid, signal.SIGKILL)
-    process.popen.wait(30)

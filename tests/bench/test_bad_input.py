@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from kvshare.bench.deploy import free_port
+from kvshare.processes import free_port
 
 
 def _kvshare(*args, timeout=120):

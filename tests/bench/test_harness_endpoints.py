@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvshare.bench.deploy import ManagedProcess, free_port, wait_http_ready
+from kvshare.processes import ManagedProcess, free_port, wait_http_ready
 from kvshare.bench.rows import read_rows
 
 

@@ -6,7 +6,7 @@ import time
 
 import httpx
 import pytest
-from kvshare.router.local import free_port
+from kvshare.processes import free_port
 
 
 @pytest.fixture

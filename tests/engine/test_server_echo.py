@@ -18,7 +18,7 @@ from kvshare.connector.contract import ConnectorStats
 from kvshare.engine.api import GenerationRequest, TokenEvent, Usage
 from kvshare.hf.detokenize import IncrementalText
 from kvshare.serve.app import create_app
-from kvshare.router.local import free_port
+from kvshare.processes import free_port
 
 EOS = 256
 FAIL = ord("!")  # a prompt starting with "!" makes the engine report an error

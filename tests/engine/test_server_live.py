@@ -14,7 +14,7 @@ import pytest
 
 from kvshare.engine.testing import make_tiny_model
 from kvshare.hf.tokenizer import Tokenizer
-from kvshare.router.local import free_port
+from kvshare.processes import free_port
 
 MAX_MODEL_LEN = 256
 

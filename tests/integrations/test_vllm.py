@@ -12,7 +12,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import pytest
 from kvshare.bench.server_metrics import external_hits
 from kvshare.pool.client import read_stats
 from kvshare.pool.testing import start_pool
-from kvshare.router.local import free_port
+from kvshare.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 
 from kvshare.pool.client import PoolClient, checksum

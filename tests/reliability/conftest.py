@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from kvshare.engine.testing import make_tiny_model
-from kvshare.router.local import ServerProcess, free_port
+from kvshare.processes import ServerProcess, free_port
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvshare.router.local import ServerProcess
+from kvshare.processes import ServerProcess
 
 
 class PeakRss:
@@ -44,8 +44,7 @@ class PeakRss:
 
 def log_text(server: ServerProcess) -> str:
     """Everything the process wrote so far (stdout and stderr share one file)."""
-    server.log.seek(0)
-    return server.log.read().decode(errors="replace")
+    return server.log_text()
 
 
 def new_log_lines(server: ServerProcess, mark: int, settle_s: float = 0.5, timeout_s: float = 10.0) -> list[str]:

@@ -17,7 +17,7 @@ import pytest
 from kvshare.pool import protocol as p
 from kvshare.pool.client import PoolClient, checksum
 from kvshare.pool.testing import start_pool
-from kvshare.router.local import free_port
+from kvshare.processes import free_port
 from tests.pool.conftest import new_chunks, prompt, random_bytes
 
 PAGE = 64 << 10

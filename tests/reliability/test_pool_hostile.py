@@ -4,7 +4,6 @@ the limits existed (noted on each)."""
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
 import subprocess
@@ -18,7 +17,7 @@ import xxhash
 from kvshare.pool import protocol as p
 from kvshare.pool.client import PoolClient, PoolError, checksum
 from kvshare.pool.testing import start_pool
-from kvshare.router.local import free_port
+from kvshare.processes import free_port
 from tests.pool.conftest import new_chunks, prompt, random_bytes
 
 PAGE = 64 << 10

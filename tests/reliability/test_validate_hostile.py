@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from kvshare.pool.testing import start_pool
-from kvshare.router.local import free_port, router, stub_replica
+from kvshare.processes import free_port
+from kvshare.router.local import router, stub_replica
 from kvshare.validate.hostile import ATTACKS, probe_for, run_attacks
 from kvshare.validate.pool_attacks import POOL_ATTACKS
 

@@ -5,7 +5,8 @@ import tempfile
 from pathlib import Path
 
 from kvshare.router import local
-from kvshare.router.local import ServerProcess, free_port, stub_replica
+from kvshare.processes import ServerProcess, free_port
+from kvshare.router.local import stub_replica
 
 from .helpers import ADMIN_TOKEN
 

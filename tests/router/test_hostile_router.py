@@ -14,7 +14,7 @@ from kvshare.validate import raw_http
 from tests.reliability.http_watch import PeakRss, log_text, new_log_lines
 
 from .helpers import ADMIN_TOKEN, REPLICA_HEADER, complete, metric, set_policy, state, wait_until
-from .servers import router, stub_replica
+from .servers import stub_replica
 
 SHORT = ("--header-timeout", "1", "--body-timeout", "1", "--write-timeout", "1", "--send-buffer", "16KiB")
 MiB = 1 << 20
