@@ -27,6 +27,17 @@ def add_flags(serve: argparse.ArgumentParser) -> None:
                    "for L2 promotion before answering with L1 only (default 1; keep below the clients' timeout)")
     g.add_argument("--l2-retry-after", type=float, default=2.0, metavar="SECONDS", help="after 3 failed Redis calls, "
                    "skip L2 for this long, then try again (default 2)")
+    g.add_argument("--l2-fetch", choices=("striped", "redis-py"), default="striped", help="promotion's read path: "
+                   "striped (several connections per node, pipelined, verification overlapping the fetches) or "
+                   "redis-py (the original one-pipeline path, kept for comparison) (default striped)")
+    g.add_argument("--l2-connections", type=int, default=4, metavar="N", help="striped: connections per Redis node "
+                   "(default 4)")
+    g.add_argument("--l2-verify-threads", type=int, default=2, metavar="N", help="striped: threads verifying fetched "
+                   "values (default 2)")
+    g.add_argument("--l2-batch", default="64MiB", metavar="BYTES", help="bytes per write-behind SET batch and bytes "
+                   "in flight per promotion (default 64MiB)")
+    g.add_argument("--l2-receive-buffer", default="0", metavar="BYTES", help="striped: SO_RCVBUF of each connection "
+                   "(default 0: the kernel's autotuning)")
 
 
 def config_from(args: argparse.Namespace):
@@ -34,9 +45,12 @@ def config_from(args: argparse.Namespace):
     if not args.l2:
         return None
     from kvshare.pool.l2.config import L2Config
+    from kvshare.units import parse_size
 
     return L2Config(url=args.l2, ttl=args.l2_ttl, queue=args.l2_queue, timeout=args.l2_timeout,
-                    promote_timeout=args.l2_promote_timeout, retry_after=args.l2_retry_after)
+                    promote_timeout=args.l2_promote_timeout, retry_after=args.l2_retry_after, fetch=args.l2_fetch,
+                    connections=args.l2_connections, verify_threads=args.l2_verify_threads,
+                    batch_bytes=parse_size(args.l2_batch), receive_buffer=parse_size(args.l2_receive_buffer))
 
 
 def register(cli) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+FETCH_PATHS = ("striped", "redis-py")
+
 
 @dataclass(frozen=True)
 class L2Config:
@@ -14,7 +16,11 @@ class L2Config:
     promote_timeout: float = 1.0  # seconds a LOOKUP waits for promotion; keep well below the clients' timeout (5 s)
     retry_after: float = 2.0  # seconds the circuit breaker stays open before one trial call
     failures: int = 3  # consecutive failed Redis calls that open the breaker
-    batch_bytes: int = 64 << 20  # bytes per pipelined SET or GET batch (bounds the memory of one batch)
+    batch_bytes: int = 64 << 20  # bytes per pipelined SET batch, and bytes in flight per promotion (its window)
+    fetch: str = "striped"  # promotion's read path: "striped" (lanes, see lanes.py) or "redis-py" (one pipeline)
+    connections: int = 4  # striped: connections (lanes) per node
+    verify_threads: int = 2  # striped: threads that verify fetched values while the lanes fetch the next ones
+    receive_buffer: int = 0  # striped: SO_RCVBUF of each lane's socket in bytes (0: the kernel's autotuning)
 
     def __post_init__(self):
         self.nodes  # validates the URL
@@ -24,6 +30,12 @@ class L2Config:
             raise ValueError(f"--l2-queue must be at least 1 chunk, got {self.queue}")
         if self.timeout <= 0 or self.promote_timeout <= 0 or self.retry_after <= 0 or self.failures < 1:
             raise ValueError("--l2-timeout, --l2-promote-timeout and --l2-retry-after must be positive")
+        if self.fetch not in FETCH_PATHS:
+            raise ValueError(f"--l2-fetch must be one of {', '.join(FETCH_PATHS)}, got {self.fetch!r}")
+        if self.connections < 1 or self.verify_threads < 1:
+            raise ValueError("--l2-connections and --l2-verify-threads must be at least 1")
+        if self.batch_bytes < 1 or self.receive_buffer < 0:
+            raise ValueError("--l2-batch must be positive and --l2-receive-buffer >= 0")
 
     @property
     def nodes(self) -> list[tuple[str, int]]:

@@ -21,9 +21,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvshare.pool.arena import Mapping
 from kvshare.pool.index import Entry
+from kvshare.pool.l2.buffers import BufferPool
 from kvshare.pool.l2.config import L2Config
+from kvshare.pool.l2.install import Installer
+from kvshare.pool.l2.lanes import Lanes
 from kvshare.pool.l2.promoter import Promoter
 from kvshare.pool.l2.store import RedisStore
+from kvshare.pool.l2.striped import StripedPromoter
 from kvshare.pool.l2.writer import Job, WriteBehind
 from kvshare.pool.leases import READ
 from kvshare.pool.protocol import LookupReply
@@ -60,11 +64,19 @@ class L2Tier:
         self.counters = Counters()
         self.store = RedisStore(config)
         self._mapping = Mapping(arena_path, page_size, num_pages)  # the server's own view: copies out and in
-        self._executor = ThreadPoolExecutor(2, thread_name_prefix="l2-promote")
+        self._executor = ThreadPoolExecutor(2, thread_name_prefix="l2-promote")  # arena copies, cluster discovery
         self.writer = WriteBehind(self.store, self._mapping.pages, self.counters, self._unpin_threadsafe,
                                   config.queue, config.batch_bytes)
-        self.promoter = Promoter(self.store, state, self._mapping.pages, self.counters, self._executor,
-                                 PROMOTION_CLIENT, config.batch_bytes)
+        installer = Installer(state, self._mapping.pages, self.counters, self._executor, PROMOTION_CLIENT)
+        self._lanes: Lanes | None = None
+        self._verify_executor: ThreadPoolExecutor | None = None
+        if config.fetch == "striped":
+            self._lanes = Lanes(config, BufferPool(retain_bytes=2 * config.batch_bytes))
+            self._verify_executor = ThreadPoolExecutor(config.verify_threads, thread_name_prefix="l2-verify")
+            self.promoter = StripedPromoter(self._lanes, self.store.breaker, installer, self.counters, self._executor,
+                                            self._verify_executor, config.batch_bytes)
+        else:
+            self.promoter = Promoter(self.store, installer, self.counters, self._executor, config.batch_bytes)
         self._promotions: dict[tuple[bytes, bytes], asyncio.Task] = {}  # (namespace, first key) -> running task
 
     # ---- write-behind ------------------------------------------------------------------------------------------
@@ -154,4 +166,7 @@ class L2Tier:
     def close(self) -> None:
         self.writer.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._lanes is not None:
+            self._lanes.close()
+            self._verify_executor.shutdown(wait=False, cancel_futures=True)
         self.store.close()
