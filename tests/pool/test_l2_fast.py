@@ -68,6 +68,17 @@ def _hits(server) -> int:
     return int(server.cli("info", "stats").split("keyspace_hits:")[1].split()[0])
 
 
+def _warm(pool: PoolClient, put, servers) -> int:
+    """Promote two single-chunk prompts: the first teaches the pool the namespace's chunk size (its window opens,
+    values then come in pieces); returns how many keyspace hits one chunk costs from then on."""
+    for seed in (900, 901):
+        keys, tokens, datas = _chunks(1, seed=seed)
+        put(keys, tokens, datas)
+        before = sum(_hits(s) for s in servers)
+        assert _load(pool, keys, tokens) == datas
+    return sum(_hits(s) for s in servers) - before
+
+
 def _idle(client: PoolClient) -> bool:
     stats = client.stats()
     return stats.read_leases == 0 and stats.write_leases == 0
@@ -80,11 +91,11 @@ def test_promotion_is_striped_over_several_connections():
         _put(plain, keys, tokens, datas)
         with start_pool("32MiB", page_size=1 << 20, l2=url_of(server)) as (address, _):
             with _connect(address) as pool:
-                assert _load(pool, keys[:1], tokens[:1]) == datas[:1]  # learns the chunk size: the window opens
+                _warm(pool, lambda *chunks: _put(plain, *chunks), [server])
                 assert _load(pool, keys, tokens) == datas
                 stats = pool.stats()
-                assert (stats.l2_hits, stats.l2_promotions, stats.l2_rejected) == (8, 8, 0)
-                getters = [c["addr"] for c in plain.client_list() if c["cmd"] == "get"]
+                assert (stats.l2_hits, stats.l2_promotions, stats.l2_rejected) == (10, 10, 0)
+                getters = [c["addr"] for c in plain.client_list() if c["cmd"] in ("get", "getrange")]
         plain.close()
     assert len(getters) >= 2, f"one connection carried every GET: {getters}"
 
@@ -98,17 +109,17 @@ def test_corrupted_value_in_the_middle_of_a_striped_batch_stops_the_promotion_th
         value = bytearray(plain.get(name))
         value[-100] ^= 0x01  # one flipped bit in chunk 4's KV bytes
         plain.set(name, bytes(value))
-        plain.close()
         with start_pool("32MiB", page_size=1 << 20, l2=url_of(server)) as (address, _):
             with _connect(address) as pool:
-                assert _load(pool, keys[:1], tokens[:1]) == datas[:1]  # window open: chunks 1..7 go out together
+                per_chunk = _warm(pool, lambda *chunks: _put(plain, *chunks), [server])  # chunks 0..7 go out at once
                 before = _hits(server)
                 assert _load(pool, keys, tokens) == datas[:4]
                 stats = pool.stats()
-                assert (stats.l2_rejected, stats.l2_hits, stats.l2_promotions) == (1, 4, 4)
-                assert _hits(server) - before == 7  # chunks 5..7 were in flight too, and were not installed
-                assert stats.pages_used == 4 * 2
+                assert (stats.l2_rejected, stats.l2_hits, stats.l2_promotions) == (1, 2 + 4, 2 + 4)
+                assert _hits(server) - before == 8 * per_chunk  # chunks 5..7 were in flight too, not installed
+                assert stats.pages_used == (2 + 4) * 2
                 _wait(lambda: _idle(pool), "every internal lease ended")
+        plain.close()
 
 
 def test_cluster_master_stalled_then_killed_mid_promotion():
@@ -127,26 +138,25 @@ def test_cluster_master_stalled_then_killed_mid_promotion():
                 break
         first_lost = 3
         _put(cluster, keys, tokens, datas)
-        warm_keys, warm_tokens, warm_datas = _chunks(1, seed=999)
-        _put(cluster, warm_keys, warm_tokens, warm_datas)
         others = [s for s in servers if s.port != victim]
         on_others = {s.port: sum(port_of(k) == s.port for k in keys) for s in others}
-        cluster.close()
         stalled = next(s for s in servers if s.port == victim)
 
         opts = dict(page_size=1 << 20, l2=url_of(servers), l2_timeout=20, l2_promote_timeout=30)
         with start_pool("48MiB", **opts) as (address, _):
             with _connect(address) as pool, _connect(address, timeout=60) as waiting:
-                assert _load(pool, warm_keys, warm_tokens) == warm_datas  # learns the chunk size
+                per_chunk = _warm(pool, lambda *chunks: _put(cluster, *chunks), servers)
+                cluster.close()
                 hits_before = {s.port: _hits(s) for s in others}
                 stalled.process.send_signal(signal.SIGSTOP)
                 result: list[list[bytes]] = []
                 lookup = threading.Thread(target=lambda: result.append(_load(waiting, keys, tokens)))
                 lookup.start()
                 try:
-                    _wait(lambda: all(_hits(s) - hits_before[s.port] == on_others[s.port] for s in others),
+                    _wait(lambda: all(_hits(s) - hits_before[s.port] == on_others[s.port] * per_chunk
+                                      for s in others),
                           "every chunk on the running masters fetched while one master is stalled")
-                    _wait(lambda: pool.stats().l2_promotions == 1 + first_lost, "the prefix before it installed")
+                    _wait(lambda: pool.stats().l2_promotions == 2 + first_lost, "the prefix before it installed")
                 finally:
                     stalled.process.send_signal(signal.SIGKILL)
                     stalled.process.send_signal(signal.SIGCONT)
@@ -154,7 +164,25 @@ def test_cluster_master_stalled_then_killed_mid_promotion():
                 assert not lookup.is_alive()
                 assert result == [datas[:first_lost]]
                 stats = pool.stats()
-                assert stats.l2_errors >= 1 and stats.l2_promotions == 1 + first_lost
+                assert stats.l2_errors >= 1 and stats.l2_promotions == 2 + first_lost
                 assert _load(pool, keys[:first_lost], tokens[:first_lost]) == datas[:first_lost]  # from L1
                 _wait(lambda: _idle(pool), "every internal lease ended")
                 assert pool.health(deep=True)
+
+
+def test_value_longer_than_the_namespace_size_seen_before_is_fetched_whole_next_time():
+    """Values of a known length come in pieces; one longer than that is a miss once, then fetched whole."""
+    keys, tokens, _ = _chunks(1, seed=5)
+    data = random_bytes(3 * CHUNK, 5)  # three times the size the pool learns from the warm-up
+    with start_redis() as server:
+        plain = redis.Redis(port=server.port)
+        _put(plain, keys, tokens, [data])
+        with start_pool("32MiB", page_size=1 << 20, l2=url_of(server)) as (address, _):
+            with _connect(address) as pool:
+                _warm(pool, lambda *chunks: _put(plain, *chunks), [server])
+                assert _load(pool, keys, tokens) == []
+                assert _load(pool, keys, tokens) == [data]
+                stats = pool.stats()
+                assert (stats.l2_errors, stats.l2_rejected, stats.l2_promotions) == (0, 0, 3)
+                _wait(lambda: _idle(pool), "every internal lease ended")
+        plain.close()

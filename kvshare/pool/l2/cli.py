@@ -38,6 +38,9 @@ def add_flags(serve: argparse.ArgumentParser) -> None:
                    "in flight per promotion (default 64MiB)")
     g.add_argument("--l2-receive-buffer", default="0", metavar="BYTES", help="striped: SO_RCVBUF of each connection "
                    "(default 0: the kernel's autotuning)")
+    g.add_argument("--l2-piece", default="1MiB", metavar="BYTES", help="striped: fetch values of a known length in "
+                   "GETRANGE pieces of this size, which spares Redis a fresh reply buffer per value (default 1MiB; "
+                   "0: whole-value GETs)")
 
 
 def config_from(args: argparse.Namespace):
@@ -50,7 +53,8 @@ def config_from(args: argparse.Namespace):
     return L2Config(url=args.l2, ttl=args.l2_ttl, queue=args.l2_queue, timeout=args.l2_timeout,
                     promote_timeout=args.l2_promote_timeout, retry_after=args.l2_retry_after, fetch=args.l2_fetch,
                     connections=args.l2_connections, verify_threads=args.l2_verify_threads,
-                    batch_bytes=parse_size(args.l2_batch), receive_buffer=parse_size(args.l2_receive_buffer))
+                    batch_bytes=parse_size(args.l2_batch), receive_buffer=parse_size(args.l2_receive_buffer),
+                    piece_bytes=parse_size(args.l2_piece))
 
 
 def register(cli) -> None:

@@ -54,6 +54,11 @@ def encode_parts(header: Header, parts) -> bytes:
     return b"".join([_LENGTH.pack(len(head)), head, *parts])
 
 
+def payload_offset(head: bytes) -> int:
+    """Where the payload starts in a value whose first bytes are `head` (0 if too short to tell)."""
+    return _LENGTH.size + _LENGTH.unpack_from(head)[0] if len(head) >= _LENGTH.size else 0
+
+
 def decode_verified(
     value: bytes, namespace: bytes, key: bytes, parent: bytes, tokens: bytes,
 ) -> tuple[Header, memoryview]:

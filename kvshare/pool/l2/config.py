@@ -21,6 +21,7 @@ class L2Config:
     connections: int = 4  # striped: connections (lanes) per node
     verify_threads: int = 2  # striped: threads that verify fetched values while the lanes fetch the next ones
     receive_buffer: int = 0  # striped: SO_RCVBUF of each lane's socket in bytes (0: the kernel's autotuning)
+    piece_bytes: int = 1 << 20  # striped: values of a known length come in GETRANGE pieces of this size (0: GET)
 
     def __post_init__(self):
         self.nodes  # validates the URL
@@ -34,8 +35,8 @@ class L2Config:
             raise ValueError(f"--l2-fetch must be one of {', '.join(FETCH_PATHS)}, got {self.fetch!r}")
         if self.connections < 1 or self.verify_threads < 1:
             raise ValueError("--l2-connections and --l2-verify-threads must be at least 1")
-        if self.batch_bytes < 1 or self.receive_buffer < 0:
-            raise ValueError("--l2-batch must be positive and --l2-receive-buffer >= 0")
+        if self.batch_bytes < 1 or self.receive_buffer < 0 or self.piece_bytes < 0:
+            raise ValueError("--l2-batch must be positive, --l2-receive-buffer and --l2-piece >= 0")
 
     @property
     def nodes(self) -> list[tuple[str, int]]:

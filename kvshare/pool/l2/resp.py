@@ -19,6 +19,7 @@ from typing import Callable
 
 CRLF = b"\r\n"
 _SCRATCH = 64 << 10  # bytes read ahead for reply headers and small replies
+PEEK = 8  # bytes of a bulk value shown to read_bulk_into's buffer_for before it is received
 
 
 class RespError(Exception):
@@ -72,16 +73,19 @@ class RespConnection:
 
     # ---- replies ---------------------------------------------------------------------------------------------------
 
-    def read_bulk_into(self, buffer_for: Callable[[int], memoryview]) -> memoryview | None:
-        """The next reply, which must be a bulk string or nil: None for nil; otherwise `buffer_for(length)` gives a
-        writable view of at least `length` bytes and the value is received into its first `length` bytes (returned).
+    def read_bulk_into(self, buffer_for: Callable[[int, bytes], memoryview]) -> memoryview | None:
+        """The next reply, which must be a bulk string or nil: None for nil; otherwise `buffer_for(length, head)` gives
+        a writable view of at least `length` bytes and the value is received into its first `length` bytes (returned).
+        `head` is the value's first min(length, PEEK) bytes, so the caller can place the value (align its payload).
         An error reply raises RespError after the reply is consumed."""
         line = self._line()
         if line[:1] == b"$":
             length = int(line[1:])
             if length < 0:
                 return None
-            target = buffer_for(length)[:length]
+            while self._end - self._start < min(length, PEEK):
+                self._fill()
+            target = buffer_for(length, bytes(self._view[self._start : self._start + min(length, PEEK)]))[:length]
             self._read_into(target)
             self._expect_crlf()
             return target

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from kvshare.pool.l2 import codec
 from kvshare.pool.l2.breaker import Breaker
 from kvshare.pool.l2.install import Installer
-from kvshare.pool.l2.lanes import Job, Lanes, Received
+from kvshare.pool.l2.lanes import Job, Lanes, Received, ValueTooLong
 from kvshare.pool.l2.store import L2Unavailable
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class StripedPromoter:
         self.executor = executor  # blocking setup (lanes.prepare)
         self.verify_executor = verify_executor
         self.batch_bytes = batch_bytes
-        self._chunk_bytes: dict[bytes, int] = {}  # namespace -> chunk size seen last (sets the window at once)
+        self._sizes: dict[bytes, tuple[int, int]] = {}  # namespace -> (chunk bytes, value length) seen last
 
     async def promote(self, namespace: bytes, keys: list[bytes], tokens: list[bytes], parent: bytes) -> int:
         """Promote L2 hits for `keys` (which follow the L1 prefix ending at `parent`); returns how many committed."""
@@ -90,13 +90,21 @@ class StripedPromoter:
         self.breaker.failed()
 
     def window(self, namespace: bytes) -> int:
-        nbytes = self._chunk_bytes.get(namespace)
+        """How many chunks may be in flight (1 until the namespace's chunk size is known)."""
+        nbytes, _ = self._sizes.get(namespace, (0, 0))
         return max(1, self.batch_bytes // nbytes) if nbytes else 1
 
-    def learn(self, namespace: bytes, nbytes: int) -> None:
-        if len(self._chunk_bytes) >= _KNOWN_NAMESPACES:
-            self._chunk_bytes.clear()
-        self._chunk_bytes[namespace] = nbytes
+    def expected_length(self, namespace: bytes) -> int:
+        """The namespace's L2 value length as last seen (0: unknown); lets lanes fetch values in pieces."""
+        return self._sizes.get(namespace, (0, 0))[1]
+
+    def learn(self, namespace: bytes, verified: "Verified") -> None:
+        if len(self._sizes) >= _KNOWN_NAMESPACES:
+            self._sizes.clear()
+        self._sizes[namespace] = (verified.header.nbytes, len(verified.received.data))
+
+    def forget(self, namespace: bytes) -> None:
+        self._sizes.pop(namespace, None)
 
     def verify_after(self, fetched: Future, namespace: bytes, key: bytes, parent: bytes, tokens: bytes) -> Future:
         """A future of the chunk's outcome (Verified or Stop): verification is submitted to the verify threads by
@@ -108,6 +116,10 @@ class StripedPromoter:
                 outcome.cancel()
                 return
             error = done.exception()
+            if isinstance(error, ValueTooLong):  # not the size seen before: fetch whole values next time
+                self.forget(namespace)
+                outcome.set_result(Stop("missing", str(error)))
+                return
             if error is not None:
                 outcome.set_result(Stop("error", str(error)))
                 return
@@ -163,7 +175,7 @@ class _Run:
                 return done
             batch, stop = await self._ready_run()
             if batch:
-                self.p.learn(self.namespace, batch[0].header.nbytes)
+                self.p.learn(self.namespace, batch[0])
                 self._dispatch()  # refill the window before installing: the fetches go on meanwhile
                 try:
                     installed = await self.p.installer.install(self.namespace,
@@ -184,7 +196,9 @@ class _Run:
         if count <= 0:
             return
         start = self.next
-        for offset, fetched in enumerate(self.p.lanes.submit(self.names[start : start + count], self.job)):
+        fetches = self.p.lanes.submit(self.names[start : start + count], self.job,
+                                      self.p.expected_length(self.namespace))
+        for offset, fetched in enumerate(fetches):
             i = start + offset
             self.pending.append(self.p.verify_after(fetched, self.namespace, self.keys[i], self.parents[i],
                                                     self.tokens[i]))
