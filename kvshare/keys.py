@@ -1,4 +1,6 @@
-"""Namespace and chunk keys: a seedless xxh3-128 prefix chain over token ids, identical in every process and host.
+"""Every key kvshare makes: the pool's namespace and chunk keys (a seedless xxh3-128 prefix chain over token ids,
+identical in every process and host), the reference engine's local prefix-cache block hashes, and the keys kvshare's
+own tools (checks, benchmarks, fault injection) store under. Nothing else in kvshare builds a key.
 
 Invariants:
 - A key depends only on its inputs' bytes (never on Python's `hash()`, PYTHONHASHSEED, the host or the process).
@@ -6,6 +8,7 @@ Invariants:
   mean equal namespaces and equal whole prefixes (up to a 128-bit collision, which the pool rules out by comparing
   the stored tokens on every hit).
 - Only full chunks get keys: a prompt of n tokens has n // chunk_tokens keys.
+- Tools' namespaces and keys are tagged apart from model namespaces, so they can never equal a replica's.
 """
 
 from __future__ import annotations
@@ -77,3 +80,37 @@ def fingerprint(*parts: bytes | str) -> str:
         raw = part.encode() if isinstance(part, str) else part
         h.update(len(raw).to_bytes(8, "little") + raw)
     return h.hexdigest()
+
+
+# ---- the reference engine's local prefix cache ----------------------------------------------------------------
+
+_SALT_TAG = b"kvshare/salt\0"
+
+
+def block_hash(parent: int | None, token_ids: Sequence[int]) -> int:
+    """A full block's hash in the local prefix cache: xxh3-64(parent block's hash || its token ids as uint32). A hit
+    is confirmed by comparing the stored token ids, so a collision cannot serve wrong K/V."""
+    prefix = b"" if parent is None else parent.to_bytes(8, "little")
+    return xxhash.xxh3_64_intdigest(prefix + token_bytes(list(token_ids)))
+
+
+def block_chain_root(salt: str) -> int | None:
+    """The parent of a sequence's first block: tenants with different cache salts never share local blocks either
+    (a shared block would leak, through timing, that another tenant sent the same prefix)."""
+    return None if not salt else xxhash.xxh3_64_intdigest(_SALT_TAG + salt.encode())
+
+
+# ---- kvshare's own tools --------------------------------------------------------------------------------------
+
+_TOOL_TAG = b"kvshare/tool/"
+
+
+def tool_namespace(name: str) -> bytes:
+    """The namespace key a tool (pool check, benchmark, fault injector) stores under: never a replica's."""
+    return xxhash.xxh3_128_digest(_TOOL_TAG + name.encode())
+
+
+def synthetic_keys(tag: bytes | str, count: int) -> list[bytes]:
+    """`count` distinct 16-byte chunk keys for a tool's chunks; a fresh `tag` gives fresh keys."""
+    raw = tag.encode() if isinstance(tag, str) else tag
+    return [xxhash.xxh3_128_digest(_TOOL_TAG + raw + b"\0" + i.to_bytes(8, "little")) for i in range(count)]

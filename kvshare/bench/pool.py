@@ -19,9 +19,8 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 import psutil
-import xxhash
 
-from kvshare.keys import chunk_keys, token_bytes
+from kvshare.keys import chunk_keys, synthetic_keys, token_bytes, tool_namespace
 from kvshare.pool.client import NewChunk, PoolClient, checksum
 from kvshare.pool.testing import start_pool
 from kvshare.units import parse_size
@@ -117,7 +116,7 @@ def bench_memcpy(src: np.ndarray, repeats: int) -> tuple[float, float]:
 
 def bench_pool(client: PoolClient, src: np.ndarray, repeats: int) -> tuple[float, float, float]:
     """(store, store with checksum, retrieve) GB/s: RESERVE + copy + COMMIT; LOOKUP + copy out + RELEASE."""
-    ns = xxhash.xxh3_128_digest(b"kvshare/bench/pool")
+    ns = tool_namespace("bench/pool")
     client.hello(ns, "pool bench")
     out = np.empty_like(src)
     state = {"keys": []}
@@ -125,7 +124,7 @@ def bench_pool(client: PoolClient, src: np.ndarray, repeats: int) -> tuple[float
     def store(with_checksum: bool) -> None:
         client.clear()
         tag = os.urandom(8)  # fresh keys: nothing is skipped as already present
-        keys = [xxhash.xxh3_128_digest(tag + i.to_bytes(8, "little")) for i in range(len(src))]
+        keys = synthetic_keys(tag, len(src))
         parents = [ns] + keys[:-1]
         r = client.reserve(ns, [NewChunk(k, p, b"", CHUNK) for k, p in zip(keys, parents)])
         sums = []
@@ -155,7 +154,7 @@ def bench_pool(client: PoolClient, src: np.ndarray, repeats: int) -> tuple[float
 def bench_lookup(client: PoolClient, samples: int = 500) -> tuple[float, float, float, float]:
     """p50/p99 ms of one LOOKUP of a 1,024-chunk key list (all hits, with token verification), as the client sees it
     (round trip) and as the server spends it (handler time, from STATS: no socket, no client-side decoding)."""
-    ns = xxhash.xxh3_128_digest(b"kvshare/bench/lookup")
+    ns = tool_namespace("bench/lookup")
     client.hello(ns, "lookup bench")
     tokens = np.random.default_rng(0).integers(0, 150_000, LOOKUP_CHUNKS * CHUNK_TOKENS)
     keys = chunk_keys(ns, tokens, CHUNK_TOKENS)

@@ -2,29 +2,43 @@
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Callable
 
-if TYPE_CHECKING:
-    from kvshare.connector.core import ConnectorCore
+from kvshare.connector.contract import ConnectorStats
+from kvshare.connector.failures import Failures
+from kvshare.pool.client import ChunkRef
+from kvshare.transfer import TransferHandle
 
-log = logging.getLogger("kvshare.connector")
+
+@dataclass(frozen=True)
+class PendingStore:
+    """A store whose copies are in flight: COMMIT its lease once `handle` is done, with the checksums of the bytes it
+    wrote."""
+
+    lease: int
+    refs: list[ChunkRef]
+    handle: TransferHandle
+    started: float  # perf_counter() when the store began
 
 
 class Committer:
-    """Background thread that commits stores once their copies complete, so the engine never waits for COMMIT."""
+    """Background thread that commits stores once their copies complete, so the engine never waits for COMMIT.
 
-    def __init__(self, core: ConnectorCore):
-        self._core = core
-        self._queue: queue.Queue = queue.Queue()
+    `commit(lease, checksums)` is the core's (it returns False when the pool refused or was unreachable); a store
+    whose copy failed is dropped: its lease is fenced by the pool and its pages freed once this process moves on."""
+
+    def __init__(self, commit: Callable[[int, list[int]], bool], stats: ConnectorStats, failures: Failures):
+        self._commit, self._stats, self._failures = commit, stats, failures
+        self._queue: queue.Queue[PendingStore | threading.Event] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="kvshare-committer", daemon=True)
         self._thread.start()
 
-    def submit(self, lease, refs, handle, started) -> None:
-        self._queue.put((lease, refs, handle, started))
+    def submit(self, store: PendingStore) -> None:
+        self._queue.put(store)
 
     def flush(self, timeout: float) -> None:
         done = threading.Event()
@@ -37,16 +51,13 @@ class Committer:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
-            lease, refs, handle, started = item
-            core = self._core
             try:
-                handle.wait()  # the bytes are in the pages only after this (I2, I4)
-                checksums = handle.checksums()
-            except Exception as error:  # noqa: BLE001 - an unfinished store is dropped; its lease times out
-                core.stats.errors += 1
-                log.warning("pool store copy failed (%s); dropping it", error)
+                item.handle.wait()  # the bytes are in the pages only after this (I2, I4)
+                checksums = item.handle.checksums()
+            except Exception as error:  # noqa: BLE001 - an unfinished store is dropped, never committed
+                self._failures.record("store copy", error, "dropping that store")
                 continue
-            if core._link.call("commit", lambda c: c.commit(lease, checksums) or True):
-                core.stats.stores += len(refs)
-                core.stats.store_bytes += sum(ref.nbytes for ref in refs)
-                core.stats.store_seconds += time.perf_counter() - started
+            if self._commit(item.lease, checksums):
+                self._stats.stores += len(item.refs)
+                self._stats.store_bytes += sum(ref.nbytes for ref in item.refs)
+                self._stats.store_seconds += time.perf_counter() - item.started

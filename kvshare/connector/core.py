@@ -17,15 +17,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 import msgspec
+import torch
 
-from kvshare.connector.committer import Committer
+from kvshare.connector.committer import Committer, PendingStore
 from kvshare.connector.config import ConnectorConfig
 from kvshare.connector.contract import ConnectorStats, StoreHandle
+from kvshare.connector.failures import Failures
 from kvshare.connector.link import PoolLink
 from kvshare.keys import Namespace, chunk_keys, token_bytes
+from kvshare.pool.client import NewChunk, PoolClient
+from kvshare.transfer import KVLayout, LoadJob, StoreJob, Transfer, TransferOptions, make_transfer
 
 log = logging.getLogger("kvshare.connector")
 
@@ -47,7 +52,25 @@ class PoolHit(msgspec.Struct, frozen=True):
         return len(self.pages)
 
 
-def _instance_of(client) -> str:
+@dataclass(frozen=True)
+class EngineKV:
+    """The engine's KV tensors and the layout that describes them (the worker half has them; the scheduler half of a
+    vLLM replica never does)."""
+
+    layout: KVLayout
+    kv_caches: list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Attached:
+    """One pool life and the transfer over its arena, replaced as one object on each new connection, so that
+    readers on other threads never pair one pool life's page numbers with another life's arena."""
+
+    instance: str = ""  # _instance_of the connection; "" before the first
+    transfer: Transfer | None = None  # None when this half has no KV tensors
+
+
+def _instance_of(client: PoolClient) -> str:
     """Which pool life a connection talks to: a restarted pool reuses page numbers (and maybe its arena path) for
     other bytes, and its random instance id tells the lives apart."""
     return f"{client.arena_path}:{client.instance_id}"
@@ -63,14 +86,12 @@ class ConnectorCore:
         self.chunk_tokens = config.chunk_tokens
         self.stats = ConnectorStats()
         self._base_namespace = namespace
-        self._layout = None
-        self._kv_caches = None
-        # (pool instance, transfer over its arena), replaced as one tuple on each new connection so that readers on
-        # other threads never pair one pool life's page numbers with another life's arena.
-        self._attached: tuple[str, object | None] = ("", None)
+        self._kv: EngineKV | None = None
+        self._attached = Attached()
         self._lease_limit = 0  # pages one connection may hold under leases (the pool's STATS; 0: none)
-        self._link = PoolLink(config, self.stats, self._on_connect)
-        self._committer = Committer(self)
+        self._failures = Failures(self.stats)
+        self._link = PoolLink(config, self._failures, self._on_connect)
+        self._committer = Committer(self._commit, self.stats, self._failures)
 
     # ---- both halves -------------------------------------------------------------------------------------------
     def namespace(self, salt: str = "") -> Namespace:
@@ -87,7 +108,15 @@ class ConnectorCore:
 
     # ---- scheduler half: no tensors -----------------------------------------------------------------------------
     def find(self, token_ids: Sequence[int], num_computed: int, salt: str = "") -> PoolHit | None:
-        """The pool's cached full chunks beyond the first `num_computed` tokens, under a read lease, or None."""
+        """The pool's cached full chunks beyond the first `num_computed` tokens, under a read lease, or None.
+        Never raises."""
+        try:
+            return self._find(token_ids, num_computed, salt)
+        except Exception as error:  # noqa: BLE001 - a bug here is a miss, recorded with its traceback
+            self._failures.record("lookup", error)
+            return None
+
+    def _find(self, token_ids: Sequence[int], num_computed: int, salt: str) -> PoolHit | None:
         namespace, keys, tokens = self.chunk_plan(token_ids, salt)
         if len(keys) * self.chunk_tokens <= num_computed:
             return None
@@ -109,13 +138,14 @@ class ConnectorCore:
         return hit
 
     def release_hit(self, hit: PoolHit) -> None:
-        # A lease belongs to the connection (and pool life) that took it; a lease of an earlier life is gone already.
+        """End the hit's read lease. It belongs to the process (and pool life) that took it: from a newer connection
+        of this process the pool accepts it once that lease is fenced; a lease of an earlier pool life is gone."""
         self._link.call("release", lambda c: c.release(hit.lease) if _instance_of(c) == hit.pool_instance else None)
 
     # ---- worker half: moves bytes ------------------------------------------------------------------------------
-    def attach(self, layout, kv_caches: Sequence) -> None:
-        """Give the core the engine's KV tensors (described by a kvshare.transfer.KVLayout)."""
-        self._layout, self._kv_caches = layout, list(kv_caches)
+    def attach(self, layout: KVLayout, kv_caches: Sequence[torch.Tensor]) -> None:
+        """Give the core the engine's KV tensors (described by `layout`)."""
+        self._kv = EngineKV(layout, list(kv_caches))
         self._link.client()  # connect now so the first request does not pay for mapping/registration
 
     def _on_connect(self, client) -> None:
@@ -123,12 +153,10 @@ class ConnectorCore:
         # A hit from an earlier pool life is never loaded (see _instance_of; the checksum would catch it too).
         self._lease_limit = client.stats().max_leased_pages_per_client
         transfer = None
-        if self._kv_caches is not None:
-            from kvshare.transfer import TransferOptions, make_transfer
-
+        if self._kv is not None:
             options = TransferOptions(checksums=self.config.checksums_on)
-            transfer = make_transfer(self._layout, self._kv_caches, client.torch_pages(), options=options)
-        self._attached = (_instance_of(client), transfer)
+            transfer = make_transfer(self._kv.layout, self._kv.kv_caches, client.torch_pages(), options=options)
+        self._attached = Attached(_instance_of(client), transfer)
 
     def load(self, hit: PoolHit, block_ids: Sequence[int], num_computed: int, release: bool = True) -> bool:
         """Load the hit's chunks into `block_ids` (the request's block table), skipping blocks below num_computed.
@@ -141,7 +169,7 @@ class ConnectorCore:
         try:
             ok = self._load(hit, block_ids, num_computed)
         except Exception as error:  # noqa: BLE001 - a failed load is a miss, never a failed request
-            log.warning("pool load failed (%s); recomputing", error)
+            self._failures.record("load", error)
             ok = False
         finally:
             # The lease ends only here, after _load waited for its copies: until then the pages cannot be evicted.
@@ -156,10 +184,9 @@ class ConnectorCore:
         return ok
 
     def _load(self, hit: PoolHit, block_ids: Sequence[int], num_computed: int) -> bool:
-        from kvshare.transfer import LoadJob
-
-        instance, transfer = self._attached
-        if transfer is None or hit.pool_instance != instance:
+        attached, kv = self._attached, self._kv
+        transfer = attached.transfer
+        if transfer is None or kv is None or hit.pool_instance != attached.instance:
             return False  # the pool restarted since the lookup: those page numbers now mean other bytes
         # Verification hashes the bytes the load reads: on a GPU from each staging slot after its copy, beside the
         # scatter (only the last slot's hash outlasts the copies); on a CPU, on host threads from the pages while
@@ -167,8 +194,8 @@ class ConnectorCore:
         # written the blocks: a failed load's blocks count as not computed, and the engine (or vLLM's recompute
         # policy) recomputes them.
         verify = self.config.verify_checksums
-        per_chunk = self.chunk_tokens // self._layout.block_size
-        skip_below = num_computed // self._layout.block_size
+        per_chunk = self.chunk_tokens // kv.layout.block_size
+        skip_below = num_computed // kv.layout.block_size
         jobs = []
         for i, pages in enumerate(hit.pages):
             first_block = (hit.first_chunk + i) * per_chunk
@@ -204,24 +231,22 @@ class ConnectorCore:
         """Store the full chunks of token_ids beyond the first `num_stored` tokens. Never raises."""
         try:
             return self._store(token_ids, block_ids, num_stored, salt)
-        except Exception as error:  # noqa: BLE001
-            self.stats.errors += 1
-            log.warning("pool store failed (%s); continuing without it", error)
+        except Exception as error:  # noqa: BLE001 - a failed store is a future miss, never a failed request
+            self._failures.record("store", error, "continuing without it")
             return None
 
-    def _store(self, token_ids, block_ids, num_stored, salt) -> StoreHandle | None:
-        from kvshare.pool.client import NewChunk
-        from kvshare.transfer import StoreJob
-
+    def _store(self, token_ids: Sequence[int], block_ids: Sequence[int], num_stored: int,
+               salt: str) -> StoreHandle | None:
         namespace, keys, tokens = self.chunk_plan(token_ids, salt)
         first = num_stored // self.chunk_tokens
-        if first >= len(keys) or self._layout is None:
+        kv = self._kv
+        if first >= len(keys) or kv is None:
             return None
         parents = [namespace.key, *keys[:-1]]
 
         def reserve(client):
             # The chunk's extent depends on the arena's page size: units never straddle pages (KVLayout.chunk_nbytes).
-            nbytes = self._layout.chunk_nbytes(self.chunk_tokens, client.page_size)
+            nbytes = kv.layout.chunk_nbytes(self.chunk_tokens, client.page_size)
             end = self._within_lease_limit(first, len(keys), -(-nbytes // client.page_size))
             new = [NewChunk(key=keys[i], parent=parents[i], tokens=tokens[i], nbytes=nbytes) for i in range(first, end)]
             return (client.reserve(namespace.key, new), _instance_of(client)) if new else None
@@ -231,12 +256,13 @@ class ConnectorCore:
         if found is None:
             return None
         reservation, reserved_in = found
-        instance, transfer = self._attached
-        if transfer is None or reserved_in != instance:  # reconnected in between: these pages belong to another arena
+        attached = self._attached
+        transfer = attached.transfer
+        if transfer is None or reserved_in != attached.instance:  # reconnected in between: another arena's pages
             if reservation.lease:
                 self._link.call("release", lambda c: c.release(reservation.lease))
             return None
-        per_chunk = self.chunk_tokens // self._layout.block_size
+        per_chunk = self.chunk_tokens // kv.layout.block_size
         jobs, refs = [], []
         for i, ref in enumerate(reservation.chunks, start=first):
             if ref is None:
@@ -251,8 +277,12 @@ class ConnectorCore:
         handle = transfer.store(jobs)
         # COMMIT only after the copies finished (I2): the committer thread waits on the handle and its checksums (from
         # the bytes the store wrote), then commits.
-        self._committer.submit(reservation.lease, refs, handle, started)
+        self._committer.submit(PendingStore(reservation.lease, refs, handle, started))
         return StoreHandle(is_done=handle.done, block_ids=tuple(b for job in jobs for b in job.block_ids))
+
+    def _commit(self, lease: int, checksums: list[int]) -> bool:
+        """COMMIT a store's lease (the committer thread calls this once the copies are done); False if refused."""
+        return bool(self._link.call("commit", lambda c: c.commit(lease, checksums) or True))
 
     def _within_lease_limit(self, first: int, end: int, pages_per_chunk: int) -> int:
         """Where a store of chunks [first, end) must stop for one RESERVE to fit the pool's per-client lease limit.

@@ -5,55 +5,58 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
 from kvshare.connector.config import ConnectorConfig
-from kvshare.connector.contract import ConnectorStats
+from kvshare.connector.failures import Failures
 from kvshare.keys import Namespace
+from kvshare.pool.client import PoolClient, PoolError, PoolUnavailable
 
-log = logging.getLogger("kvshare.connector")
+T = TypeVar("T")
 
 
 class PoolLink:
     """One connection to the pool, reopened after failures; turns every pool error into None and a counted miss.
 
-    The lock serialises (re)connection only; the client itself is thread-safe per request.
+    Only pool failures (PoolError, including PoolUnavailable, and OSError) are turned into misses here; any other
+    exception is a bug and propagates to the connector's public method, which records it (failures.py) with its
+    traceback. The lock serialises (re)connection only; the client itself is thread-safe per request.
     """
 
-    def __init__(self, config: ConnectorConfig, stats: ConnectorStats, on_connect: Callable[[object], None]):
-        self._config, self._stats, self._on_connect = config, stats, on_connect
-        self._client = None
+    def __init__(self, config: ConnectorConfig, failures: Failures, on_connect: Callable[[PoolClient], None]):
+        self._config, self._failures, self._on_connect = config, failures, on_connect
+        self._client: PoolClient | None = None
         self._down_until = 0.0
         self._lock = threading.Lock()
-        self._logged: set[str] = set()
         self._hello_sent: set[bytes] = set()
 
-    def client(self):
+    def client(self) -> PoolClient | None:
         """The connected client, or None while the pool is down (then it is retried after retry_interval)."""
         with self._lock:
             if self._client is not None:
                 return self._client
             if time.monotonic() < self._down_until:
                 return None
-            from kvshare.pool.client import PoolClient
-
             try:
                 client = PoolClient.connect(self._config.address, timeout=self._config.timeout)
+            except (PoolError, OSError) as error:
+                self._mark_down(error)
+                return None
+            try:
                 self._on_connect(client)
-            except Exception as error:  # noqa: BLE001 - any failure to connect or attach is a miss
+            except (PoolError, OSError) as error:
+                client.close()
                 self._mark_down(error)
                 return None
             self._client, self._hello_sent = client, set()
-            self._log_once("connected", logging.INFO, f"connected to pool {self._config.address}")
+            self._failures.note("connected", logging.INFO, f"connected to pool {self._config.address}")
             return client
 
-    def call(self, what: str, fn: Callable, namespace: Namespace | None = None):
-        """fn(client) -> result, or None if the pool is down or answered an error (counted, logged once)."""
+    def call(self, what: str, fn: Callable[[PoolClient], T], namespace: Namespace | None = None) -> T | None:
+        """fn(client), or None if the pool is down or answered an error (counted; the first of a kind logged)."""
         client = self.client()
         if client is None:
             return None
-        from kvshare.pool.client import PoolError, PoolUnavailable
-
         try:
             if namespace is not None and namespace.key not in self._hello_sent:
                 client.hello(namespace.key, namespace.describe())
@@ -65,20 +68,14 @@ class PoolLink:
                     self._client = None
                     self._mark_down(error)
             return None
-        except (PoolError, OSError, ValueError) as error:
-            self._stats.errors += 1
-            self._log_once(f"{what}:{type(error).__name__}", logging.WARNING, f"pool {what} failed ({error}); recomputing")
+        except (PoolError, OSError) as error:
+            self._failures.record(what, error)
             return None
 
     def _mark_down(self, error: Exception) -> None:
-        self._stats.errors += 1
         self._down_until = time.monotonic() + self._config.retry_interval
-        self._log_once("down", logging.WARNING, f"pool {self._config.address} unavailable ({error}); serving without the shared cache until it returns")
-
-    def _log_once(self, key: str, level: int, message: str) -> None:
-        if key not in self._logged:
-            self._logged.add(key)
-            log.log(level, message)
+        self._failures.record("connection", error, f"serving without the shared cache; retrying in "
+                              f"{self._config.retry_interval:g} s")
 
     def close(self) -> None:
         with self._lock:

@@ -1,7 +1,7 @@
 """KV block allocation with a local automatic prefix cache: refcounted blocks, full-block hash chain, LRU reuse.
 
-A full block's hash is xxh3-64(parent block's hash ‖ its token ids as little-endian uint32): seedless, identical in
-every process. A hit is confirmed by comparing the stored token ids, so a hash collision cannot serve wrong K/V.
+A full block's hash is kvshare.keys.block_hash: xxh3-64(parent block's hash ‖ its token ids as little-endian uint32),
+seedless, identical in every process. A hit is confirmed by comparing the stored token ids, so a hash collision cannot serve wrong K/V.
 Free blocks keep their contents and hash until reused, in least-recently-freed order, so a recently finished
 request's prefix can still be hit. Blocks are freed in reverse table order: a prefix's tail is evicted before its
 head, which other requests are more likely to share.
@@ -16,10 +16,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable
 
-import xxhash
-
 from kvshare.engine.sequence import Sequence
-from kvshare.keys import token_bytes
+from kvshare.keys import block_chain_root, block_hash
 
 
 @dataclass
@@ -28,17 +26,6 @@ class Block:
     ref_count: int = 0
     hash: int | None = None  # set once the block is full and its K/V computed
     token_ids: tuple[int, ...] = ()
-
-
-def block_hash(parent: int | None, token_ids: Iterable[int]) -> int:
-    prefix = b"" if parent is None else parent.to_bytes(8, "little")
-    return xxhash.xxh3_64_intdigest(prefix + token_bytes(list(token_ids)))
-
-
-def chain_root(salt: str) -> int | None:
-    """The parent of a sequence's first block: tenants with different cache salts never share local blocks either
-    (a shared block would leak, through timing, that another tenant sent the same prefix)."""
-    return None if not salt else xxhash.xxh3_64_intdigest(b"kvshare/salt\0" + salt.encode())
 
 
 class BlockManager:
@@ -61,7 +48,7 @@ class BlockManager:
 
     def _cached_prefix(self, seq: Sequence, max_tokens: int) -> list[int]:
         """Block ids holding the longest verified cached prefix of seq's tokens, at most max_tokens tokens."""
-        hits, parent, bs = [], chain_root(seq.salt), self.block_size
+        hits, parent, bs = [], block_chain_root(seq.salt), self.block_size
         for i in range(max_tokens // bs):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             parent = block_hash(parent, tokens)
@@ -86,7 +73,7 @@ class BlockManager:
             self._take(block_id)
         seq.block_table = hits + [self._take_free() for _ in range(self.blocks_for(seq.num_tokens) - len(hits))]
         seq.num_hashed_blocks = len(hits)
-        seq.last_block_hash = self.blocks[hits[-1]].hash if hits else chain_root(seq.salt)
+        seq.last_block_hash = self.blocks[hits[-1]].hash if hits else block_chain_root(seq.salt)
         return len(hits) * self.block_size
 
     def can_append(self, seq: Sequence) -> bool:
@@ -112,7 +99,7 @@ class BlockManager:
         """Drop seq's hold on its blocks (tail first, see the module docstring) and clear its table."""
         self.release(reversed(seq.block_table))
         seq.block_table = []
-        seq.num_hashed_blocks, seq.last_block_hash = 0, chain_root(seq.salt)
+        seq.num_hashed_blocks, seq.last_block_hash = 0, block_chain_root(seq.salt)
 
     def hold(self, block_ids: Iterable[int]) -> None:
         """An extra holder (a pending store) for blocks that are in use now."""

@@ -1,38 +1,34 @@
 """The engine's side of the KV connector: when to look up, load and store, with every connector failure (including
-an exception, which the protocol forbids but a bug may raise) turned into a miss so the request never fails (I7)."""
+an exception, which the protocol forbids but a bug may raise) turned into a miss so the request never fails (I7),
+under the connector's error policy (kvshare.connector.failures: counted, the first of a kind logged with its
+traceback)."""
 
 from __future__ import annotations
 
-import logging
 from typing import Callable
 
 from kvshare.connector.contract import KVConnector, StoreHandle
+from kvshare.connector.failures import Failures
 from kvshare.engine.block_manager import BlockManager
 from kvshare.engine.sequence import Sequence
-
-log = logging.getLogger(__name__)
 
 
 class PoolHooks:
     """Invariant: blocks named by a StoreHandle that is not done() have an extra hold in the block manager, so they
-    are neither freed nor reused until the store has read them (I4)."""
+    are neither freed nor reused until the store has read them (I4). A done() that raises cannot confirm the store
+    is over, so its blocks stay held (a bounded leak, counted and logged, never a block overwritten mid-copy)."""
 
     def __init__(self, connector: KVConnector, block_manager: BlockManager):
         self.connector = connector
         self.block_manager = block_manager
         self.pending: list[tuple[StoreHandle, list[int]]] = []
-        self.errors = 0
-        self._logged: set[str] = set()
+        self._failures = Failures(connector.stats)
 
     def _guard(self, what: str, call: Callable, default):
         try:
             return call()
         except Exception as error:  # noqa: BLE001 - any connector failure is a miss, never a failed request
-            self.errors += 1
-            if what not in self._logged:
-                self._logged.add(what)
-                log.warning("KV connector %s failed (%r); recomputing instead. Further %s failures are counted, "
-                            "not logged", what, error, what)
+            self._failures.record(f"connector {what}", error)
             return default
 
     def load_prefix(self, seq: Sequence) -> None:
@@ -62,7 +58,7 @@ class PoolHooks:
             return
         seq.num_stored = (num_tokens // chunk) * chunk
         held = list(handle.block_ids) or blocks
-        if not self._guard("store", handle.done, True):
+        if not self._guard("store", handle.done, False):
             self.block_manager.hold(held)
             self.pending.append((handle, held))
 
@@ -70,10 +66,10 @@ class PoolHooks:
         self._guard("release", lambda: self.connector.release(seq.request_id), None)
 
     def poll(self) -> None:
-        """Give back the blocks of stores that have completed (a failing done() counts as completed)."""
+        """Give back the blocks of stores that have completed (a done() that raises keeps them held: see above)."""
         still = []
         for handle, blocks in self.pending:
-            if self._guard("store", handle.done, True):
+            if self._guard("store", handle.done, False):
                 self.block_manager.release(blocks)
             else:
                 still.append((handle, blocks))

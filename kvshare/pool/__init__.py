@@ -5,7 +5,7 @@ pull numpy and msgspec in.
 """
 
 _EXPORTS = {
-    "ChunkRef": "client", "Lookup": "client", "NewChunk": "client", "PoolClient": "client", "PoolError": "client",
+    "ChunkRef": "client", "LookupResult": "client", "NewChunk": "client", "PoolClient": "client", "PoolError": "client",
     "PoolUnavailable": "client", "Reservation": "client", "checksum": "client", "PoolStats": "stats",
     "start_pool": "testing",
 }

@@ -13,12 +13,12 @@ from typing import Callable
 
 import msgspec
 import numpy as np
-import xxhash
 
+from kvshare.keys import synthetic_keys, tool_namespace
 from kvshare.pool.client import NewChunk, PoolClient
 from kvshare.units import format_size, parse_size
 
-NAMESPACE = xxhash.xxh3_128_digest(b"kvshare/pool-check")
+NAMESPACE = tool_namespace("pool-check")
 
 
 class CheckResult(msgspec.Struct):
@@ -62,7 +62,7 @@ def check_pool(
     if stats.max_leased_pages_per_client:  # one connection may lease no more: a full check needs a pool without a limit
         free = min(free, stats.max_leased_pages_per_client)
     tag = os.urandom(8)  # fresh keys per run: a repeated check never skips chunks as already present
-    keys = [xxhash.xxh3_128_digest(tag + i.to_bytes(8, "little")) for i in range(free)]
+    keys = synthetic_keys(tag, free)
     parents = [NAMESPACE] + keys[:-1]  # one chain, so a single LOOKUP must return every page
     chunks = [NewChunk(k, parent, b"", client.page_size) for k, parent in zip(keys, parents)]
     reservation = client.reserve(NAMESPACE, chunks, evict=False)

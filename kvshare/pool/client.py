@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 SEND_BUFFER = 4 << 20  # SO_SNDBUF of a Unix-socket connection (see _open_socket)
 
 
-class Lookup(msgspec.Struct, frozen=True):
+class LookupResult(msgspec.Struct, frozen=True):
     """A LOOKUP's hit: the longest verified prefix of the keys, pinned by a read lease until RELEASE."""
 
     lease: int  # 0: nothing found (no lease is held)
@@ -34,7 +34,7 @@ class Lookup(msgspec.Struct, frozen=True):
 
 
 Reservation = p.ReserveReply  # Reservation(lease: int, chunks: list[ChunkRef | None]) (None: skip, do not write)
-__all__ = ["ChunkRef", "Lookup", "NewChunk", "PoolClient", "PoolError", "PoolUnavailable", "Reservation", "checksum"]
+__all__ = ["ChunkRef", "LookupResult", "NewChunk", "PoolClient", "PoolError", "PoolUnavailable", "Reservation", "checksum"]
 
 
 class PoolError(Exception):
@@ -135,12 +135,12 @@ class PoolClient:
     def hello(self, namespace_key: bytes, description: str = "") -> None:
         self._call(p.Hello(namespace_key, description), p.Ok)
 
-    def lookup(self, namespace_key: bytes, keys: list[bytes], tokens: list[bytes]) -> Lookup:
+    def lookup(self, namespace_key: bytes, keys: list[bytes], tokens: list[bytes]) -> LookupResult:
         """The longest prefix of `keys` (with `tokens`, each chunk's token bytes) that the pool holds and verified,
         read-leased: RELEASE the lease once the bytes are copied out."""
         reply = self._call(p.Lookup.of(namespace_key, keys, tokens), p.LookupReply)
         try:
-            return Lookup(reply.lease, reply.refs(keys))
+            return LookupResult(reply.lease, reply.refs(keys))
         except ValueError as error:
             raise PoolError(f"pool {self._address} sent a bad LOOKUP reply: {error} (a pool bug: report it)") from None
 

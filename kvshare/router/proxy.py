@@ -22,7 +22,7 @@ import anyio
 import httpx
 from starlette.responses import Response
 
-from kvshare.serve.schema import ERROR_CAUSE_HEADER, REQUEST_CAUSED
+from kvshare.httpguard.errors import ERROR_CAUSE_HEADER, REQUEST_CAUSED
 from kvshare.router.config import RouterConfig
 from kvshare.router.metrics import RouterMetrics
 from kvshare.router.policies import Policy, make_policy

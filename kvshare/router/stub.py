@@ -21,7 +21,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvshare.serve.schema import ERROR_CAUSE_HEADER, REQUEST_CAUSED
+from kvshare.httpguard.errors import ERROR_CAUSE_HEADER, REQUEST_CAUSED
 
 
 def create_stub_app(name: str, first_token_delay_s: float = 0.0, token_interval_s: float = 0.0) -> FastAPI:

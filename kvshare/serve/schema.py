@@ -9,14 +9,13 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from kvshare.engine.api import Usage
+from kvshare.httpguard.errors import ERROR_CAUSE_HEADER, REQUEST_CAUSED
 
 # ---------------------------------------------------------------- requests (OpenAI's schema, the fields we serve)
 
 
 # On a 5xx, says the request itself failed (alone: the other requests in its batch went on), so another replica would
 # fail it too and a router must not retry it. Absent: the replica may be at fault.
-ERROR_CAUSE_HEADER = "x-kvshare-error-cause"
-REQUEST_CAUSED = "request"
 
 
 class Strict(BaseModel):

@@ -1,11 +1,11 @@
 """KV transfer: `KVLayout` and the CPU/CUDA paths that pack engine KV blocks into pool pages and back."""
 
-from kvshare.transfer.jobs import SKIP, Handle, LoadJob, StoreJob
+from kvshare.transfer.jobs import SKIP, TransferHandle, LoadJob, StoreJob
 from kvshare.transfer.kinds import KINDS, KVKind, PackedKV, SplitKV, VllmHND, VllmNHD
 from kvshare.transfer.layout import KVLayout, LayoutMismatch
 from kvshare.transfer.transfer import Transfer, TransferOptions, make_transfer
 
 __all__ = [
-    "KINDS", "SKIP", "Handle", "KVKind", "KVLayout", "LayoutMismatch", "LoadJob", "PackedKV", "SplitKV", "StoreJob",
+    "KINDS", "SKIP", "TransferHandle", "KVKind", "KVLayout", "LayoutMismatch", "LoadJob", "PackedKV", "SplitKV", "StoreJob",
     "Transfer", "TransferOptions", "VllmHND", "VllmNHD", "make_transfer",
 ]

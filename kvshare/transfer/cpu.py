@@ -1,6 +1,6 @@
 """The CPU path: gathers and scatters straight between the KV tensors and arena page views, with no staging copy.
 
-Every copy runs synchronously on the calling thread, so a returned Handle is already done and stream races do
+Every copy runs synchronously on the calling thread, so a returned TransferHandle is already done and stream races do
 not apply (torch CPU ops complete before they return). Checksums hash on host threads: a store's after its copies
 (they hash what was written), a load's while its copies run (both only read the pages, which a read lease keeps).
 """
@@ -10,12 +10,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvshare.transfer.jobs import ChunkPlan, Handle
+from kvshare.transfer.jobs import ChunkPlan, TransferHandle
 from kvshare.transfer.transfer import Transfer
 
 
 class CpuTransfer(Transfer):
-    def _store(self, plans: list[ChunkPlan]) -> Handle:
+    def _store(self, plans: list[ChunkPlan]) -> TransferHandle:
         for chunk in plans:
             rows = torch.from_numpy(chunk.rows)
             for j, page in enumerate(chunk.pages.tolist()):
@@ -26,9 +26,9 @@ class CpuTransfer(Transfer):
                         out = units[a - u0 : b - u0, offset : offset + self.space.run_bytes]
                         torch.index_select(view, 0, rows[a:b], out=out)  # writes the page in place
         hashing = self.start_checksums(self._extents(plans))
-        return Handle(checksums=lambda: [f.result() for f in hashing])
+        return TransferHandle(checksums=lambda: [f.result() for f in hashing])
 
-    def _load(self, plans: list[ChunkPlan], checksums: bool) -> Handle:
+    def _load(self, plans: list[ChunkPlan], checksums: bool) -> TransferHandle:
         hashing = self.start_checksums(self._extents(plans)) if checksums else None
         for chunk in plans:
             rows = torch.from_numpy(chunk.rows)
@@ -40,7 +40,7 @@ class CpuTransfer(Transfer):
                         for view, offset in zip(group.views, self.space.run_offsets):
                             source = units[s - u0 : e - u0, offset : offset + self.space.run_bytes]
                             _scatter_rows(view, chunk.rows[s:e], rows[s:e], source)
-        return Handle(checksums=(lambda: [f.result() for f in hashing]) if hashing is not None else None)
+        return TransferHandle(checksums=(lambda: [f.result() for f in hashing]) if hashing is not None else None)
 
     def _page_units(self, page: int) -> torch.Tensor:
         used = self.units_per_page * self.layout.block_bytes

@@ -4,7 +4,7 @@ Two side streams per Transfer: `gather` (index_select / index_copy_ kernels) and
 gather of one slot overlaps the copy of another. Every cross-stream dependency is an event, each one commented:
 - I4 store: `gather` waits on an event recorded on the caller's (producing) stream at store() time, so it reads KV
   only after every kernel already queued there, including the one that wrote that KV. The caller keeps the source
-  blocks untouched until the returned Handle is done (its event is recorded after the last copy).
+  blocks untouched until the returned TransferHandle is done (its event is recorded after the last copy).
 - I5 load: the caller's (consuming) stream waits on the event recorded after the last scatter, before load()
   returns, so any kernel queued afterwards reads the loaded blocks, never poison or partial data.
 - Load also waits, before scattering, for the work already queued on the caller's stream (it may still read the
@@ -31,7 +31,7 @@ from kvshare.transfer.blocks import BlockSpace
 from kvshare.transfer.checksum import DeviceHasher
 from kvshare.transfer.cpu import kept_segments
 from kvshare.transfer.hostmem import register_pages
-from kvshare.transfer.jobs import ChunkPlan, Handle
+from kvshare.transfer.jobs import ChunkPlan, TransferHandle
 from kvshare.transfer.transfer import Transfer, TransferOptions
 
 
@@ -94,7 +94,7 @@ class CudaTransfer(Transfer):
             slot.free.append(event)
 
     # ---- store -------------------------------------------------------------------------------------------------
-    def _store(self, plans: list[ChunkPlan]) -> Handle:
+    def _store(self, plans: list[ChunkPlan]) -> TransferHandle:
         caller = torch.cuda.current_stream(self.device)
         produced = torch.cuda.Event()
         produced.record(caller)
@@ -130,7 +130,7 @@ class CudaTransfer(Transfer):
                 torch.index_select(view, 0, index, out=out)
 
     # ---- load --------------------------------------------------------------------------------------------------
-    def _load(self, plans: list[ChunkPlan], checksums: bool) -> Handle:
+    def _load(self, plans: list[ChunkPlan], checksums: bool) -> TransferHandle:
         caller = torch.cuda.current_stream(self.device)
         earlier = torch.cuda.Event()
         earlier.record(caller)
@@ -227,7 +227,7 @@ def _results(futures: list) -> Callable[[], list[int]]:
     return lambda: [future.result() for future in futures]
 
 
-class _EventHandle(Handle):
+class _EventHandle(TransferHandle):
     def __init__(self, event: torch.cuda.Event, checksums: Callable[[], list[int]] | None):
         super().__init__(event.query, event.synchronize, checksums)
         self.event = event

@@ -1,4 +1,4 @@
-"""Transfer requests (StoreJob, LoadJob), their checked plans, and the completion Handle.
+"""Transfer requests (StoreJob, LoadJob), their checked plans, and the completion TransferHandle.
 
 Every job is checked whole before anything is copied: block ids in range, the right number of pages for the
 chunk, pages in range, no page written twice and no block loaded twice in one batch. A bad batch raises
@@ -53,7 +53,7 @@ class ChunkPlan:
         return full * page_size + (len(self.rows) - full * self.units_per_page) * block_bytes
 
 
-class Handle:
+class TransferHandle:
     """Completion of a batch of transfers. For a store, the source blocks must stay untouched until done() (I4)."""
 
     def __init__(self, is_done: Callable[[], bool] = lambda: True, wait: Callable[[], None] = lambda: None,

@@ -10,7 +10,7 @@ import torch
 
 from kvshare.transfer.blocks import BlockSpace, build_block_space
 from kvshare.transfer.checksum import arena_checksum, start_checksums
-from kvshare.transfer.jobs import ChunkPlan, Handle, LoadJob, StoreJob, plan
+from kvshare.transfer.jobs import ChunkPlan, TransferHandle, LoadJob, StoreJob, plan
 from kvshare.transfer.layout import KVLayout
 
 Ordering = Literal["stream", "none"]
@@ -61,7 +61,7 @@ class Transfer:
         self._arena = pages.numpy()  # the same memory, for the host checksum (numpy)
         self.units_per_page = self.layout.units_per_page(self.page_size)  # refuses a page smaller than a block
 
-    def store(self, jobs: Sequence[StoreJob]) -> Handle:
+    def store(self, jobs: Sequence[StoreJob]) -> TransferHandle:
         """Pack each job's blocks into its pages. Ordered after all work already queued on the current stream.
 
         The handle's checksums() are computed from the bytes written. Page tails (bytes past a page's last unit) are
@@ -71,7 +71,7 @@ class Transfer:
         self._zero_tails(plans)
         return self._store(plans)
 
-    def load(self, jobs: Sequence[LoadJob], checksums: bool = False) -> Handle:
+    def load(self, jobs: Sequence[LoadJob], checksums: bool = False) -> TransferHandle:
         """Unpack each job's pages into its blocks; every later kernel on the current stream sees the result.
         checksums=True: the handle's checksums() are computed from the bytes read (to verify against the writer's)."""
         return self._load(plan(self.space, jobs, self.page_size, self.num_pages, loading=True), checksums)
@@ -97,10 +97,10 @@ class Transfer:
         for chunk in plans:  # every page but the last (the extent ends at the last page's last unit)
             self._arena[chunk.pages[:-1], used:] = 0
 
-    def _store(self, plans: list[ChunkPlan]) -> Handle:
+    def _store(self, plans: list[ChunkPlan]) -> TransferHandle:
         raise NotImplementedError
 
-    def _load(self, plans: list[ChunkPlan], checksums: bool) -> Handle:
+    def _load(self, plans: list[ChunkPlan], checksums: bool) -> TransferHandle:
         raise NotImplementedError
 
 

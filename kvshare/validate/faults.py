@@ -19,19 +19,18 @@ import threading
 import time
 from dataclasses import dataclass
 
+import httpx
 import numpy as np
 
-import httpx
-import xxhash
-
+from kvshare.keys import synthetic_keys, tool_namespace
 from kvshare.validate.deployment import SoakDeployment
 
 STALLER_REPORT_TIMEOUT_S = 30.0
 KINDS = ("pool_restart", "replica_kill", "fill_arena", "stall_client", "stall_writer", "stall_reader")
-STALL_NAMESPACE = xxhash.xxh3_128_digest(b"kvshare/soak-staller")
+STALL_NAMESPACE = tool_namespace("soak-staller")
 # What a resumed stalled writer or reader may say (its last line); anything else is a fence violation.
 FENCE_KEPT = {"stall_writer": "lease_expired", "stall_reader": "same"}
-FILL_NAMESPACE = xxhash.xxh3_128_digest(b"kvshare/soak-filler")
+FILL_NAMESPACE = tool_namespace("soak-filler")
 
 
 @dataclass(frozen=True)
@@ -174,7 +173,7 @@ class Injector:
 def _junk_chunks(namespace: bytes, tag: str, count: int, nbytes: int):
     from kvshare.pool.client import NewChunk
 
-    keys = [xxhash.xxh3_128_digest(f"{tag}-{i}".encode()) for i in range(count)]
+    keys = synthetic_keys(tag, count)
     return [NewChunk(k, namespace if i == 0 else keys[i - 1], b"", nbytes) for i, k in enumerate(keys)]
 
 

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 import psutil
-import xxhash
 
+from kvshare.keys import synthetic_keys, tool_namespace
 from kvshare.pool import protocol as p
 from kvshare.pool.client import NewChunk, PoolClient, PoolError
 from kvshare.pool.holders import peer_pid
 
-ATTACK_NAMESPACE = xxhash.xxh3_128_digest(b"kvshare/validate-hostile")
+ATTACK_NAMESPACE = tool_namespace("validate-hostile")
 MiB = 1 << 20
 
 
@@ -108,7 +108,7 @@ def frame_over_limit(target: PoolTarget) -> PoolVerdict:
 
 
 def too_many_keys(target: PoolTarget) -> PoolVerdict:
-    keys = [i.to_bytes(16, "little") for i in range(200_000)]
+    keys = synthetic_keys("too-many-keys", 200_000)
     with PoolClient.connect(target.address, map_arena=False, timeout=30) as client:
         started = time.monotonic()
         try:
@@ -172,7 +172,7 @@ class FloodResult:
 
 def _payloads(target: PoolTarget) -> list[tuple[str, bool, bytes]]:
     """(kind, over TCP, bytes to send) of each attacker kind; the flood cycles through them."""
-    keys = b"".join(i.to_bytes(16, "little") for i in range(100_000))
+    keys = b"".join(synthetic_keys("flood", 100_000))
     huge = msgspec.msgpack.encode(p.Lookup(ATTACK_NAMESPACE, [keys[i:i + 16] for i in range(0, len(keys), 16)],
                                            b"", [0] * 100_000))  # 1.9 MB: refused by --max-keys
     kinds = [("huge LOOKUP", False, p.HEADER.pack(len(huge)) + huge),
@@ -252,7 +252,7 @@ class _Innocent(threading.Thread):
         self.failures: list[str] = []
 
     def run(self) -> None:
-        namespace = xxhash.xxh3_128_digest(f"innocent-{os.getpid()}".encode())
+        namespace = tool_namespace(f"innocent-{os.getpid()}")
         try:
             with PoolClient.connect(self.target.address, timeout=10) as client:
                 client.hello(namespace, "innocent")
@@ -269,7 +269,7 @@ class _Innocent(threading.Thread):
             self.failures.append(f"{type(error).__name__}: {error}")
 
     def _round(self, client: PoolClient, namespace: bytes) -> None:
-        key = xxhash.xxh3_128_digest(f"{self.rounds}".encode() + namespace)
+        (key,) = synthetic_keys(namespace + self.rounds.to_bytes(8, "little"), 1)
         data = os.urandom(client.page_size)
         try:
             r = client.reserve(namespace, [NewChunk(key, namespace, b"", len(data))])

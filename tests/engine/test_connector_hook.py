@@ -144,7 +144,34 @@ def test_failing_connector_changes_nothing(make_engine):
     (got,) = generate(broken, [GenerationRequest("x", p, GREEDY)])
     (expected,) = generate(off, [GenerationRequest("y", p, GREEDY)])
     assert got.token_ids == expected.token_ids and got.finished.finish_reason == "length"
-    assert got.finished.usage.pool_hit_tokens == 0 and broken.pool.errors >= 2
+    assert got.finished.usage.pool_hit_tokens == 0 and broken.connector.stats.errors >= 2
+
+
+class UnconfirmableConnector(RecordingDictConnector):
+    """A store whose completion cannot be confirmed: its handle's done() raises (a connector bug)."""
+
+    def store(self, request_id, token_ids, block_ids, num_stored, salt=""):
+        super().store(request_id, token_ids, block_ids, num_stored, salt)
+
+        def done() -> bool:
+            raise RuntimeError("cannot tell")
+
+        return StoreHandle(is_done=done, block_ids=tuple(block_ids))
+
+
+def test_blocks_of_a_store_whose_completion_cannot_be_confirmed_stay_held(make_engine):
+    """The answer is unaffected, and the blocks the store may still read are never freed for reuse (I4): a done()
+    that raises is not taken for done (it was before: the blocks went back to the free list)."""
+    engine, off = make_engine(), make_engine()
+    engine.set_connector(UnconfirmableConnector(engine, {}))
+    p = prompt(80, 3)
+    (got,) = generate(engine, [GenerationRequest("u", p, GREEDY)])
+    (expected,) = generate(off, [GenerationRequest("v", p, GREEDY)])
+    assert got.token_ids == expected.token_ids
+    time.sleep(0.3)  # several idle polls of the engine thread
+    held = engine.pool.pending[0][1]
+    assert held and all(engine.block_manager.blocks[b].ref_count > 0 for b in held)
+    assert engine.connector.stats.errors >= 1
 
 
 class GatedConnector(RecordingDictConnector):
