@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from h200_prefill import layer_flops  # experiments/ is on sys.path when this script runs
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvshare.engine import attention, model
-from kvshare.hf.config import ModelConfig
 from kvshare.engine.make_model import make_model
 from kvshare.engine.model import DecoderLayer, Rotary
-from h200_prefill import layer_flops  # experiments/ is on sys.path when this script runs
+from kvshare.hf.config import ModelConfig
 
 MATMUL_PEAK, ATTENTION_PEAK = 719e12, 602e12  # measured on the H200 (../shared/FACTS.md)
 BACKENDS = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}

@@ -37,10 +37,10 @@ def replica(args) -> None:
     import torch
 
     from kvshare.connector import ConnectorConfig
-    from kvshare.engine.pool_connector import PoolConnector
     from kvshare.engine.api import GenerationRequest, SamplingParams
     from kvshare.engine.config import EngineConfig
     from kvshare.engine.engine import Engine
+    from kvshare.engine.pool_connector import PoolConnector
 
     jobs = json.loads(Path(args.jobs).read_text())
     started = time.perf_counter()

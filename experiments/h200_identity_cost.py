@@ -33,10 +33,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kvshare.hf.config import ModelConfig, default_dtype
 from kvshare.engine.make_model import Preset, hf_config, make_model
 from kvshare.engine.model import CausalLM
 from kvshare.engine.weights import dummy_tensor, read_safetensors, shard_files
+from kvshare.hf.config import ModelConfig, default_dtype
 from kvshare.identity import TensorDigests, files_digest, weight_files
 
 # A Llama-3-8B-like layer (hidden 4096, MLP 14336, 32 q / 8 kv heads of 128): 436 MB a layer in bf16.

@@ -17,9 +17,9 @@ import torch
 
 from kvshare.engine.api import GenerationRequest, SamplingParams, TokenEvent
 from kvshare.engine.config import EngineConfig
-from kvshare.hf.config import ModelConfig
 from kvshare.engine.engine import Engine
 from kvshare.engine.make_model import make_model
+from kvshare.hf.config import ModelConfig
 
 ROOFLINE = 790e12
 

@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 
 from kvshare.connector import ConnectorConfig
-from kvshare.engine.pool_connector import PoolConnector
 from kvshare.engine.api import GenerationRequest, SamplingParams
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.engine import Engine, generate
 from kvshare.engine.make_model import make_model
+from kvshare.engine.pool_connector import PoolConnector
 from kvshare.pool.testing import start_pool
 
 

@@ -73,11 +73,11 @@ def use_xxh3() -> None:
 
 def replica(args) -> None:
     from kvshare.connector import ConnectorConfig
-    from kvshare.engine.pool_connector import PoolConnector
     from kvshare.engine.api import GenerationRequest, SamplingParams
     from kvshare.engine.config import EngineConfig
-    from kvshare.hf.config import default_dtype
     from kvshare.engine.engine import Engine
+    from kvshare.engine.pool_connector import PoolConnector
+    from kvshare.hf.config import default_dtype
 
     verify, where = ARMS[args.arm]
     if args.arm == "xxh3":

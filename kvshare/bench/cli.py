@@ -96,9 +96,8 @@ def _deployment_flags(parser: argparse.ArgumentParser) -> None:
 
 def _cross_replica(args: argparse.Namespace) -> int:
     from kvshare.bench.cross_replica import CrossReplicaConfig
-    from kvshare.bench.workload import parse_lengths
-
     from kvshare.bench.runner import earlier_rows
+    from kvshare.bench.workload import parse_lengths
 
     def parts():
         cross = CrossReplicaConfig(
@@ -177,7 +176,6 @@ def _transfer(args) -> int:
 
 def _router_overhead(args: argparse.Namespace) -> int:
     from kvshare.bench.router_overhead import run_overhead_bench
-
     from kvshare.router.cli import quiet_http_client_logs
 
     quiet_http_client_logs()

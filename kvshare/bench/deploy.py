@@ -66,7 +66,8 @@ class LocalConfig:
         connection may lease at most half the arena (the pool's default limit), so A would store and B load only
         the chunks under it, and the ON arm would recompute the rest. (A 255k run with a 72 GiB pool did that.)"""
         from kvshare.hf.config import ModelConfig, default_dtype
-        from kvshare.pool.config import DEFAULT_PAGE_SIZE as PAGE, PoolConfig
+        from kvshare.pool.config import DEFAULT_PAGE_SIZE as PAGE
+        from kvshare.pool.config import PoolConfig
         from kvshare.units import format_size, parse_size
 
         try:

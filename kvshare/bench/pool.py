@@ -93,21 +93,22 @@ def _timed(run) -> float:
     return time.perf_counter() - started
 
 
+def _copy_rate(src: np.ndarray, dst: np.ndarray, repeats: int) -> float:
+    """GB/s of copying `src` into `dst` chunk by chunk (the views die with this call, so a mapping can close)."""
+    return best_rate(src.nbytes, repeats, lambda: [np.copyto(dst[i], src[i]) for i in range(len(src))])
+
+
 def bench_memcpy(src: np.ndarray, repeats: int) -> tuple[float, float]:
     """GB/s of chunk-by-chunk copies of `src` into (private anonymous memory, a prepared /dev/shm mapping). The pool
     copies into the second kind of memory; on some machines the two differ by 2x, so both are reported and the
     pool is compared with the faster."""
-    dst = np.ones_like(src)  # touched, like the pool's prepared and populated pages
-    private = best_rate(src.nbytes, repeats, lambda: [np.copyto(dst[i], src[i]) for i in range(len(src))])
-    del dst
+    private = _copy_rate(src, np.ones_like(src), repeats)  # touched, like the pool's prepared, populated pages
     path = f"/dev/shm/kvshare-bench-{os.getpid()}.memcpy"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.posix_fallocate(fd, 0, src.nbytes)
         with mmap.mmap(fd, src.nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE) as mapping:
-            shm = np.frombuffer(mapping, dtype=np.uint8).reshape(src.shape)
-            shared = best_rate(src.nbytes, repeats, lambda: [np.copyto(shm[i], src[i]) for i in range(len(src))])
-            del shm
+            shared = _copy_rate(src, np.frombuffer(mapping, dtype=np.uint8).reshape(src.shape), repeats)
     finally:
         os.close(fd)
         os.unlink(path)

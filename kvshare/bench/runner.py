@@ -18,10 +18,10 @@ from kvshare.bench import cross_replica, report, sessions
 from kvshare.bench.client import BenchError
 from kvshare.bench.cross_replica import CrossReplicaConfig
 from kvshare.bench.deploy import Deployment, EndpointDeployment, Endpoints, LocalConfig, LocalDeployment
-from kvshare.processes import sigterm_as_interrupt
 from kvshare.bench.rows import RequestRow, RowWriter, read_rows
 from kvshare.bench.sessions import SessionsConfig
 from kvshare.bench.workload import Codec
+from kvshare.processes import sigterm_as_interrupt
 
 log = logging.getLogger(__name__)
 

@@ -12,16 +12,16 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvshare.engine.api import EngineLoad, EventCallback, GenerationRequest, TokenEvent, Usage
 from kvshare.connector.contract import KVConnector
+from kvshare.engine.api import EngineLoad, EventCallback, GenerationRequest, TokenEvent, Usage
 from kvshare.engine.block_manager import BlockManager
 from kvshare.engine.config import EngineConfig
-from kvshare.hf.config import ModelConfig
 from kvshare.engine.model_runner import ModelRunner
 from kvshare.engine.pool_hooks import PoolHooks
 from kvshare.engine.sampler import RowFailure, sample
 from kvshare.engine.scheduler import Batch, Scheduler
 from kvshare.engine.sequence import Sequence
+from kvshare.hf.config import ModelConfig
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05  # idle loop period: bounds how late a completed store's blocks are given back

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kvshare.hf.config import ModelConfig
 from kvshare.engine.weights import dummy_state_dict
+from kvshare.hf.config import ModelConfig
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BOS, EOS = "<|endoftext|>", "<|im_end|>"
@@ -85,7 +85,7 @@ def training_text(seed: int, num_words: int = 120_000) -> list[str]:
     lexicon = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(3000)]
     lexicon += "the of and to in is that for it as with was on be by this are from or at you".split()
     lines, words = [], []
-    for i in range(num_words):
+    for _ in range(num_words):
         word = str(rng.randint(0, 9999)) if rng.random() < 0.05 else rng.choice(lexicon)
         words.append(word.capitalize() if not words else word)
         if rng.random() < 0.08:

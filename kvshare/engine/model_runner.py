@@ -7,10 +7,10 @@ import logging
 import torch
 
 from kvshare.engine.config import EngineConfig
-from kvshare.hf.config import ModelConfig
 from kvshare.engine.model import Rotary
 from kvshare.engine.sequence import Sequence
 from kvshare.engine.weights import load_model
+from kvshare.hf.config import ModelConfig
 from kvshare.units import format_size
 
 log = logging.getLogger(__name__)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import threading
 from typing import Sequence
 
-from kvshare.connector.contract import StoreHandle
 from kvshare.connector.config import ConnectorConfig
+from kvshare.connector.contract import StoreHandle
 from kvshare.connector.core import ConnectorCore, PoolHit
 from kvshare.keys import Namespace
 

@@ -14,8 +14,8 @@ import torch
 import xxhash
 from safetensors import safe_open
 
-from kvshare.hf.config import ModelConfig
 from kvshare.engine.model import CausalLM
+from kvshare.hf.config import ModelConfig
 from kvshare.identity import TensorDigests, generator_identity, model_fingerprint
 
 DUMMY_STD = 0.02

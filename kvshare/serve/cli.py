@@ -67,9 +67,9 @@ def run_serve(args: argparse.Namespace) -> int:
     import torch
 
     from kvshare.engine.engine import Engine
-    from kvshare.serve.app import serve
     from kvshare.hf.tokenizer import Tokenizer
     from kvshare.httpguard.limits import from_args as http_limits_from_args
+    from kvshare.serve.app import serve
 
     if args.threads:
         torch.set_num_threads(args.threads)

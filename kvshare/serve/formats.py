@@ -12,9 +12,18 @@ from fastapi.responses import Response
 
 from kvshare.engine.api import Usage
 from kvshare.serve.pieces import Piece
-from kvshare.serve.schema import (ApiError, Chunk, Delta, DeltaChoice, Message, MessageChoice, TextChoice, UsageBody,
-                                  Whole, hits_of)
-
+from kvshare.serve.schema import (
+    ApiError,
+    Chunk,
+    Delta,
+    DeltaChoice,
+    Message,
+    MessageChoice,
+    TextChoice,
+    UsageBody,
+    Whole,
+    hits_of,
+)
 
 _encoder = msgspec.json.Encoder()
 

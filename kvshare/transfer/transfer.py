@@ -10,7 +10,7 @@ import torch
 
 from kvshare.transfer.blocks import BlockSpace, build_block_space
 from kvshare.transfer.checksum import arena_checksum, start_checksums
-from kvshare.transfer.jobs import ChunkPlan, TransferHandle, LoadJob, StoreJob, plan
+from kvshare.transfer.jobs import ChunkPlan, LoadJob, StoreJob, TransferHandle, plan
 from kvshare.transfer.layout import KVLayout
 
 Ordering = Literal["stream", "none"]

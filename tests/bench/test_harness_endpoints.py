@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from kvshare.processes import ManagedProcess, free_port, wait_http_ready
 from kvshare.bench.rows import read_rows
+from kvshare.processes import ManagedProcess, free_port, wait_http_ready
 
 
 @pytest.fixture

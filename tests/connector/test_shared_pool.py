@@ -10,10 +10,10 @@ import tempfile
 import pytest
 
 from kvshare.connector import ConnectorConfig
-from kvshare.engine.pool_connector import PoolConnector
 from kvshare.engine.api import GenerationRequest, SamplingParams
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.engine import Engine, generate
+from kvshare.engine.pool_connector import PoolConnector
 from kvshare.engine.testing import make_tiny_model
 from kvshare.pool.testing import start_pool
 from kvshare.transfer import KVLayout

@@ -6,6 +6,7 @@ import time
 
 import httpx
 import pytest
+
 from kvshare.processes import free_port
 
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from kvshare.cli import main
-from kvshare.hf.config import ModelConfig
 from kvshare.engine.model import Rotary
-from kvshare.hf.tokenizer import Tokenizer
 from kvshare.engine.weights import load_model
+from kvshare.hf.config import ModelConfig
+from kvshare.hf.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there, 42 cats!"}]
 

@@ -17,8 +17,8 @@ import uvicorn
 from kvshare.connector.contract import ConnectorStats
 from kvshare.engine.api import GenerationRequest, TokenEvent, Usage
 from kvshare.hf.detokenize import IncrementalText
-from kvshare.serve.app import create_app
 from kvshare.processes import free_port
+from kvshare.serve.app import create_app
 
 EOS = 256
 FAIL = ord("!")  # a prompt starting with "!" makes the engine report an error

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from test_vllm import CHUNK, ROOT, START_TIMEOUT_S, VLLM_PYTHON, Replica
 
 from kvshare.bench.rows import read_rows
 from kvshare.pool.testing import start_pool
-from test_vllm import CHUNK, ROOT, START_TIMEOUT_S, VLLM_PYTHON, Replica
 
 pytestmark = [
     pytest.mark.slow,

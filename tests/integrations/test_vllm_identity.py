@@ -13,11 +13,11 @@ import random
 import time
 
 import pytest
+from test_vllm import CHUNK, START_TIMEOUT_S, VLLM_PYTHON, Replica
 
 from kvshare.engine.make_model import make_model
 from kvshare.pool.client import read_stats
 from kvshare.pool.testing import start_pool
-from test_vllm import CHUNK, START_TIMEOUT_S, VLLM_PYTHON, Replica
 
 pytestmark = [
     pytest.mark.slow,

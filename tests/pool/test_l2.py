@@ -10,10 +10,8 @@ import pytest
 from kvshare.pool.client import PoolClient, checksum
 from kvshare.pool.l2 import codec
 from kvshare.pool.l2.breaker import Breaker
-from kvshare.pool.l2.testing import (REDIS_MISSING, free_port, redis_available, start_redis, start_redis_cluster,
-                                     url_of)
+from kvshare.pool.l2.testing import REDIS_MISSING, free_port, redis_available, start_redis, start_redis_cluster, url_of
 from kvshare.pool.testing import start_pool
-
 from tests.pool.conftest import new_chunks, prompt, random_bytes
 
 needs_redis = pytest.mark.skipif(not redis_available(), reason=REDIS_MISSING)
@@ -44,7 +42,7 @@ def test_codec_accepts_only_the_exact_intact_chunk():
         "key": (value, b"x" * 16, NS, b"\1\0\0\0"),
         "garbage": (b"\xff" * 40, b"k" * 16, NS, b"\1\0\0\0"),
     }
-    for name, (v, key, parent, tokens) in cases.items():
+    for v, key, parent, tokens in cases.values():
         with pytest.raises(codec.Rejected):
             codec.decode_verified(v, NS, key, parent, tokens)
 

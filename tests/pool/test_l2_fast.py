@@ -5,7 +5,6 @@ its own tests in test_l2.py), so each test knows exactly which node holds which 
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -18,7 +17,6 @@ from kvshare.pool.client import PoolClient, checksum
 from kvshare.pool.l2 import codec
 from kvshare.pool.l2.testing import REDIS_MISSING, redis_available, start_redis, start_redis_cluster, url_of
 from kvshare.pool.testing import start_pool
-
 from tests.pool.conftest import prompt, random_bytes
 
 pytestmark = pytest.mark.skipif(not redis_available(), reason=REDIS_MISSING)

@@ -125,7 +125,7 @@ def test_expired_leases_are_fenced_until_their_holder_confirms_or_is_gone():  # 
     state = make(num_pages=8, lease_timeout=5.0, clock=clock)
     keys, tokens = prompt(2)
     store(state, keys, tokens)
-    read = state.lookup(1, NS, keys, tokens)
+    state.lookup(1, NS, keys, tokens)
     wkeys, wtokens = prompt(2, seed=5)
     write = state.reserve(2, NS, new_chunks(wkeys, wtokens, PAGE))
     quarantined = [p for ref in write.chunks for p in ref.pages]

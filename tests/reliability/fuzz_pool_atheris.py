@@ -8,8 +8,8 @@ import sys
 import atheris
 
 with atheris.instrument_imports():
-    from kvshare.pool import state as _state  # noqa: F401  (instrumented for coverage)
     from kvshare.pool import protocol as _protocol  # noqa: F401
+    from kvshare.pool import state as _state  # noqa: F401  (instrumented for coverage)
 
 from tests.reliability.pool_harness import Harness  # noqa: E402
 

@@ -19,10 +19,10 @@ import time
 import pytest
 
 from kvshare.connector import ConnectorConfig
-from kvshare.engine.pool_connector import PoolConnector
 from kvshare.engine.api import GenerationRequest, SamplingParams
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.engine import Engine, generate
+from kvshare.engine.pool_connector import PoolConnector
 from kvshare.engine.testing import make_tiny_model
 from kvshare.pool.client import read_stats
 from kvshare.pool.testing import start_pool

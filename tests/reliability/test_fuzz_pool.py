@@ -11,13 +11,12 @@ import sys
 import pytest
 import xxhash
 from hypothesis import HealthCheck, find, given, settings
-from hypothesis.errors import NoSuchExample
 from hypothesis import strategies as st
+from hypothesis.errors import NoSuchExample
 
 from kvshare.pool.leases import WRITE
 from kvshare.pool.protocol import ErrorCode, NewChunk
 from kvshare.pool.state import PoolState, RequestError
-
 from tests.pool.conftest import Clock
 
 from .pool_harness import NAMESPACE, Harness, encode
@@ -127,7 +126,7 @@ def test_the_fuzz_reaches_leases_and_committed_chunks():
     """The consistency fuzz below checks lease accounting only if its sequences create leases at all."""
     for goal in ("write lease", "read lease", "committed chunk"):
         try:
-            find(st.lists(ops, min_size=1, max_size=40), lambda sequence: goal in reached(sequence),
+            find(st.lists(ops, min_size=1, max_size=40), lambda sequence, goal=goal: goal in reached(sequence),
                  settings=settings(max_examples=2000, database=None, derandomize=True,
                                    suppress_health_check=list(HealthCheck)))
         except NoSuchExample:

@@ -4,8 +4,8 @@ started here accept policy switches with the tests' admin token (helpers.ADMIN_T
 import tempfile
 from pathlib import Path
 
-from kvshare.router import local
 from kvshare.processes import ServerProcess, free_port
+from kvshare.router import local
 from kvshare.router.local import stub_replica
 
 from .helpers import ADMIN_TOKEN

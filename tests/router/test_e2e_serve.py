@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from kvshare.engine.testing import make_tiny_model
+
 from .helpers import REPLICA_HEADER, set_policy, sse_events
 from .servers import ServerProcess, free_port, router
 
