@@ -1,1 +1,2 @@
-"""Benchmarks of the shared pool at the service level: cross-replica TTFT, sessions, reports, the demo, validate service."""
+"""Benchmarks of the shared pool at the service level: cross-replica TTFT, sessions, reports, the demo,
+validate service."""

@@ -1,4 +1,5 @@
-"""Registers every `kvshare bench` command (cross-replica, sessions, pool, transfer, router-overhead) and `kvshare demo`."""
+"""Registers every `kvshare bench` command (cross-replica, sessions, pool, transfer, router-overhead) and
+`kvshare demo`."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def register(cli) -> None:
                        help="requests.jsonl of an earlier run of the other blocks: copied into this run's rows and "
                             "report (repeatable)")
     cross.add_argument("--skip-off-warm", action="store_true",
-                       help="OFF blocks send nothing to replica A (without a pool it cannot help B); saves time on GPUs")
+                       help="OFF blocks send nothing to replica A (without a pool it cannot help B); "
+                            "saves time on GPUs")
     cross.set_defaults(run=_cross_replica)
 
     sess = cli.command("sessions", "six-turn sessions: alternate vs fixed placement, pool OFF vs ON", group="bench")
@@ -49,14 +51,17 @@ def register(cli) -> None:
 
 def register_micro(cli) -> None:
     """The micro-benchmarks: the pool, the transfer layer, the router's overhead."""
-    pool_bench = cli.command("pool", "pool vs memcpy vs Redis: store/retrieve GB/s, LOOKUP latency, start-up", group="bench")
-    pool_bench.add_argument("--chunks", type=int, default=1024, help="1 MiB chunks to store and retrieve (default 1024)")
+    pool_bench = cli.command("pool", "pool vs memcpy vs Redis: store/retrieve GB/s, LOOKUP latency, start-up",
+                             group="bench")
+    pool_bench.add_argument("--chunks", type=int, default=1024,
+                            help="1 MiB chunks to store and retrieve (default 1024)")
     pool_bench.add_argument("--repeats", type=int, default=5, help="timed passes per measurement; the best is reported")
     pool_bench.add_argument("--startup-size", default="4GiB", help="pool size whose start-up time is measured")
     pool_bench.add_argument("--json", default="", metavar="PATH", help="also write the results as JSON")
     pool_bench.add_argument("--no-redis", action="store_true", help="skip the Redis comparison")
     pool_bench.set_defaults(run=_pool)
-    transfer_bench = cli.command("transfer", "store/load GB/s of a Qwen2.5-32B-shaped KV vs the copy ceiling", group="bench")
+    transfer_bench = cli.command("transfer", "store/load GB/s of a Qwen2.5-32B-shaped KV vs the copy ceiling",
+                                 group="bench")
     transfer_bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     transfer_bench.add_argument("--tokens", type=int, default=32768)
     transfer_bench.add_argument("--reps", type=int, default=5)

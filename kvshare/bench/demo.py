@@ -40,7 +40,8 @@ def ensure_model(config: DemoConfig) -> None:
     if (config.model_dir / "config.json").exists():
         return
     print(f"generating the {config.preset} model into {config.model_dir} ...", flush=True)
-    argv = [sys.executable, "-m", "kvshare.cli", "make-model", "--preset", config.preset, "--out", str(config.model_dir)]
+    argv = [sys.executable, "-m", "kvshare.cli", "make-model",
+            "--preset", config.preset, "--out", str(config.model_dir)]
     if subprocess.run(argv).returncode != 0:
         raise BenchError(f"`kvshare make-model --preset {config.preset}` failed; see its output above")
 

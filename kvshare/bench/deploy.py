@@ -81,9 +81,10 @@ class LocalConfig:
         limit = PoolConfig(size=parse_size(self.pool_size), socket="").lease_limit * PAGE  # the pool's own default
         if needed > limit:
             raise BenchError(
-                f"the longest prompt ({tokens} tokens) is {format_size(needed)} of KV in the pool, but with --pool-size "
-                f"{self.pool_size} one replica may lease at most {format_size(limit)} (half the arena): only part of "
-                f"it would be shared. Use --pool-size {-(-2 * needed // 2**30)}GiB or more")
+                f"the longest prompt ({tokens} tokens) is {format_size(needed)} of KV in the pool, "
+                f"but with --pool-size {self.pool_size} one replica may lease at most {format_size(limit)} "
+                f"(half the arena): only part of it would be shared. "
+                f"Use --pool-size {-(-2 * needed // 2**30)}GiB or more")
 
 
 class EndpointDeployment:
@@ -236,7 +237,8 @@ def set_router_policy(router_url: str, policy: str, admin_token: str | None = No
         response = httpx.post(f"{router_url}/admin/policy", json={"policy": policy}, headers=headers, timeout=10.0,
                               trust_env=False)
     except httpx.HTTPError as error:
-        raise EndpointUnreachable(f"cannot reach the router at {router_url} to set policy {policy!r}: {error}") from error
+        raise EndpointUnreachable(
+            f"cannot reach the router at {router_url} to set policy {policy!r}: {error}") from error
     if response.status_code in (401, 403):
         raise BenchError(f"router {router_url} refused to switch its policy ({response.status_code}): pass its "
                          "--admin-token-file to the benchmark as --router-token-file")

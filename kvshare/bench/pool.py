@@ -199,7 +199,8 @@ def local_redis():
                 break
             except redis.ConnectionError:
                 time.sleep(0.02)
-        version = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout.split()[2].removeprefix("v=")
+        banner = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout
+        version = banner.split()[2].removeprefix("v=")
         yield client, version
     finally:
         process.terminate()
@@ -274,7 +275,8 @@ def run_bench(config: BenchConfig, json_path: str = "") -> int:
            for k, v in ratios.items()}
     result = BenchResult(
         machine=machine(), command=config.command, chunk_bytes=CHUNK, chunks=config.chunks, page_size=CHUNK,
-        memcpy_gb_s=memcpy, memcpy_private_gb_s=memcpy_private, memcpy_shm_gb_s=memcpy_shm, pool_store_gb_s=store, pool_store_checksum_gb_s=store_sum, pool_retrieve_gb_s=retrieve,
+        memcpy_gb_s=memcpy, memcpy_private_gb_s=memcpy_private, memcpy_shm_gb_s=memcpy_shm,
+        pool_store_gb_s=store, pool_store_checksum_gb_s=store_sum, pool_retrieve_gb_s=retrieve,
         redis=redis_name, redis_set_gb_s=redis_set, redis_get_gb_s=redis_get, lookup_keys=LOOKUP_CHUNKS,
         lookup_p50_ms=lookup_p50, lookup_p99_ms=lookup_p99, lookup_server_p50_ms=server_p50,
         lookup_server_p99_ms=server_p99, load_average=load, startup_gib=startup_size / 2**30,
@@ -302,7 +304,8 @@ def print_result(r: BenchResult) -> None:
     table.add_column("value", justify="right")
     for name, value in [
         ("memcpy into private memory", gb(r.memcpy_private_gb_s)),
-        ("memcpy into a /dev/shm mapping", gb(r.memcpy_shm_gb_s)), ("pool store (RESERVE + copy + COMMIT)", gb(r.pool_store_gb_s)),
+        ("memcpy into a /dev/shm mapping", gb(r.memcpy_shm_gb_s)),
+        ("pool store (RESERVE + copy + COMMIT)", gb(r.pool_store_gb_s)),
         ("pool store + xxh3-64 checksum", gb(r.pool_store_checksum_gb_s)),
         ("pool retrieve (LOOKUP + copy + RELEASE)", gb(r.pool_retrieve_gb_s)),
         (f"Redis SET ({r.redis})", gb(r.redis_set_gb_s)), ("Redis GET", gb(r.redis_get_gb_s)),

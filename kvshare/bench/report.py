@@ -195,7 +195,8 @@ def _drift_note(sessions: SessionsSummary) -> str:
         on = next((c for c in sessions.conditions if c.arm == "ON" and (c.context, c.placement) ==
                    (off.context, off.placement)), None)
         if on and on.turn_ttft_medians:
-            ratios.append(f"{off.context} {off.placement} {_fmt(off.turn_ttft_medians[0] / on.turn_ttft_medians[0], 2)}")
+            ratio = off.turn_ttft_medians[0] / on.turn_ttft_medians[0]
+            ratios.append(f"{off.context} {off.placement} {_fmt(ratio, 2)}")
     return ("Drift check: turn 1 does the same work in both arms (a fresh context), so its OFF/ON TTFT ratio "
             f"should be about 1: {'; '.join(ratios) or 'n/a'}. Far from 1, the machine's load changed between the "
             "arms and the session improvements are not trustworthy; rerun with more --sessions on a quiet machine.")

@@ -103,10 +103,12 @@ def run_overhead_bench(requests: int, first_token_delay_ms: float, json_path: st
     with stub_replica("bench", first_token_delay_ms) as replica, router([replica.url]) as routed:
         result = measure(replica.url, routed.url, requests)
     report = {
-        "command": "kvshare bench router-overhead " + shlex.join(sys.argv[3:] if sys.argv[1:3] == ["bench", "router-overhead"] else []),
+        "command": "kvshare bench router-overhead "
+                   + shlex.join(sys.argv[3:] if sys.argv[1:3] == ["bench", "router-overhead"] else []),
         "machine": {**machine(), "load_avg_1m_before": load_before},
-        "setup": {"requests_per_arm": requests, "warmup_per_arm": WARMUP, "stub_first_token_delay_ms": first_token_delay_ms,
-                  "budget_ms": BUDGET_MS, "method": __doc__.split("\n\n", 1)[1].strip()},
+        "setup": {"requests_per_arm": requests, "warmup_per_arm": WARMUP,
+                  "stub_first_token_delay_ms": first_token_delay_ms, "budget_ms": BUDGET_MS,
+                  "method": __doc__.split("\n\n", 1)[1].strip()},
         **result,
     }
     verdict = "within" if result["within_budget"] else "OVER"

@@ -34,7 +34,8 @@ def parse_lengths(text: str) -> list[tuple[str, int]]:
     for item in filter(None, (part.strip() for part in text.split(","))):
         match = _LENGTH.match(item)
         if not match:
-            raise ValueError(f"cannot read length {item!r}: write token counts such as 512, 2k or 128k, comma-separated")
+            raise ValueError(
+                f"cannot read length {item!r}: write token counts such as 512, 2k or 128k, comma-separated")
         scale = {"": 1, "k": 1024, "m": 1024 * 1024}[match.group(2).lower()]
         tokens = int(float(match.group(1)) * scale)
         if tokens <= 0:
