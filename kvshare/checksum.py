@@ -159,7 +159,8 @@ def parts_checksum(parts: Iterable, nbytes: int | None = None) -> int:
     given, must equal the parts' total length (a check that the caller cut the extent right)."""
     total, offset, carry = 0, 0, b""  # offset: extent bytes consumed so far, the carried bytes included
     for part in parts:
-        data = (part if isinstance(part, np.ndarray) else np.frombuffer(part, dtype=np.uint8)).reshape(-1).view(np.uint8)
+        array = part if isinstance(part, np.ndarray) else np.frombuffer(part, dtype=np.uint8)
+        data = array.reshape(-1).view(np.uint8)
         if carry:  # complete the word begun by the previous part
             take = min(WORD - len(carry), len(data))
             carry, data, offset = carry + data[:take].tobytes(), data[take:], offset + take
@@ -233,6 +234,7 @@ def chunk_coefficients(nbytes: int, page_size: int, used_per_page: int) -> np.nd
     if page_size % WORD or used_per_page % WORD or last_bytes % WORD:
         raise ValueError(f"page size {page_size}, used bytes per page {used_per_page} and the last page's "
                          f"{last_bytes} bytes must be multiples of {WORD}")
-    rows = coefficients(0, pages * page_size // WORD).reshape(pages, page_size // WORD)[:, : used_per_page // WORD].copy()
+    every_word = coefficients(0, pages * page_size // WORD).reshape(pages, page_size // WORD)
+    rows = every_word[:, : used_per_page // WORD].copy()
     rows[-1, last_bytes // WORD :] = 0
     return rows.view(np.int64)

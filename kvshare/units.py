@@ -17,7 +17,8 @@ def parse_size(text: str | int) -> int:
     match = _PATTERN.match(text)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
-        raise ValueError(f"cannot read size {text!r}: write a number with an optional unit such as 512MiB, 16GiB or 2GB")
+        raise ValueError(
+            f"cannot read size {text!r}: write a number with an optional unit such as 512MiB, 16GiB or 2GB")
     return int(float(match.group(1)) * _UNITS[unit])
 
 

@@ -154,7 +154,8 @@ class LlamaModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """The whole model. Parameters are created on the meta device and assigned by the loader (kvshare.engine.weights)."""
+    """The whole model. Parameters are created on the meta device and assigned by the loader
+    (kvshare.engine.weights)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()

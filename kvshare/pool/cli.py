@@ -72,7 +72,8 @@ def register(cli) -> None:
     stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
     stats.set_defaults(run=_stats)
 
-    check = cli.command("check", "full-pool allocation check: reserve every page, write, read back, verify", group="pool")
+    check = cli.command("check", "full-pool allocation check: reserve every page, write, read back, verify",
+                        group="pool")
     check.add_argument("--size", default="1GiB", help="size of the pool to start for the check (default 1GiB)")
     check.add_argument("--socket", default="", help="check a running pool instead: read-only, its free pages only "
                        "(committed chunks are never touched)")

@@ -34,7 +34,9 @@ class LookupResult(msgspec.Struct, frozen=True):
 
 
 Reservation = p.ReserveReply  # Reservation(lease: int, chunks: list[ChunkRef | None]) (None: skip, do not write)
-__all__ = ["ChunkRef", "LookupResult", "NewChunk", "PoolClient", "PoolError", "PoolUnavailable", "Reservation", "checksum"]
+__all__ = [
+    "ChunkRef", "LookupResult", "NewChunk", "PoolClient", "PoolError", "PoolUnavailable", "Reservation", "checksum",
+]
 
 
 class PoolError(Exception):
@@ -94,8 +96,9 @@ class PoolClient:
         try:
             self._mapping = Mapping(self.arena_path, self.page_size, self.num_pages, populate)
         except OSError as error:
-            raise PoolUnavailable(f"cannot map the pool's arena {self.arena_path}: {error.strerror}; the client must "
-                                  "run on the pool's host with access to that file (group of the pool's user)") from None
+            raise PoolUnavailable(
+                f"cannot map the pool's arena {self.arena_path}: {error.strerror}; the client must run on the "
+                "pool's host with access to that file (group of the pool's user)") from None
 
     # ---- data plane --------------------------------------------------------------------------------------------
 

@@ -14,7 +14,8 @@ def print_stats(stats: PoolStats) -> None:
     table = Table(title="kvshare pool", show_header=False)
     used = stats.pages_used / max(stats.num_pages, 1)
     rows = [
-        ("capacity", f"{format_size(stats.capacity_bytes)} ({stats.num_pages} pages of {format_size(stats.page_size)})"),
+        ("capacity",
+         f"{format_size(stats.capacity_bytes)} ({stats.num_pages} pages of {format_size(stats.page_size)})"),
         ("prepared", f"{stats.pages_prepared}/{stats.num_pages} pages" + (" (ready)" if stats.ready else "")),
         ("used", f"{stats.pages_used} pages ({used:.1%}): {stats.pages_committed} committed, "
                  f"{stats.pages_reserved} reserved; {stats.pages_free} free"),

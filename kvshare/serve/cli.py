@@ -24,8 +24,8 @@ def register(cli) -> None:
     serve.add_argument("--pool", default="none", help="the pool's socket path, or none (cache OFF)")
     serve.add_argument("--chunk-tokens", type=int, default=256, help="pool chunk size (a multiple of --block-size)")
     serve.add_argument("--verify-checksums", action=argparse.BooleanOptionalAction, default=True,
-                       help="hash every loaded chunk on the host (up to 16 threads, while the copies run) and recompute "
-                            "on a mismatch; --no-verify-checksums trusts the pool's bytes")
+                       help="hash every loaded chunk on the host (up to 16 threads, while the copies run) and "
+                            "recompute on a mismatch; --no-verify-checksums trusts the pool's bytes")
     serve.add_argument("--block-size", type=int, default=16)
     size = serve.add_mutually_exclusive_group()
     size.add_argument("--num-blocks", type=int, default=None, help="KV cache size in blocks")

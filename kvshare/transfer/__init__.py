@@ -6,6 +6,6 @@ from kvshare.transfer.layout import KVLayout, LayoutMismatch
 from kvshare.transfer.transfer import Transfer, TransferOptions, make_transfer
 
 __all__ = [
-    "KINDS", "SKIP", "TransferHandle", "KVKind", "KVLayout", "LayoutMismatch", "LoadJob", "PackedKV", "SplitKV", "StoreJob",
-    "Transfer", "TransferOptions", "VllmHND", "VllmNHD", "make_transfer",
+    "KINDS", "SKIP", "TransferHandle", "KVKind", "KVLayout", "LayoutMismatch", "LoadJob", "PackedKV", "SplitKV",
+    "StoreJob", "Transfer", "TransferOptions", "VllmHND", "VllmNHD", "make_transfer",
 ]

@@ -65,7 +65,8 @@ def build_block_space(layout: KVLayout, kv_caches: Sequence[torch.Tensor]) -> Bl
     fused = _fused_rows(kv_caches, runs)
     if fused is not None:
         base, row_base = fused
-        group = Group(0, layout.num_layers, _views(kv_caches[0], runs[0], base, int(row_base.max()) + layout.num_blocks))
+        rows = int(row_base.max()) + layout.num_blocks
+        group = Group(0, layout.num_layers, _views(kv_caches[0], runs[0], base, rows))
         return BlockSpace(layout, (group,), row_base, run_offsets, run_bytes)
     groups = tuple(
         Group(layer, layer + 1, _views(tensor, run, 0, layout.num_blocks))

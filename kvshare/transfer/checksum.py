@@ -65,7 +65,7 @@ class DeviceHasher:
     @staticmethod
     def supports(page_size: int, used_per_page: int, block_bytes: int) -> bool:
         """Whether every page row and the last page's units are whole words (else hash on the host)."""
-        return page_size % checksum.WORD == 0 and used_per_page % checksum.WORD == 0 and block_bytes % checksum.WORD == 0
+        return all(size % checksum.WORD == 0 for size in (page_size, used_per_page, block_bytes))
 
     def add(self, staging: torch.Tensor, nbytes: int, j0: int, j1: int, ready: torch.cuda.Event) -> torch.Tensor:
         """Queue the terms of pages [j0, j1) of a chunk of `nbytes`, held by staging rows [0, j1 - j0), once `ready`

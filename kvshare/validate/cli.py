@@ -77,7 +77,8 @@ def _soak(args: argparse.Namespace) -> int:
     print(report)
     if args.json:
         with open(args.json, "wb") as f:
-            f.write(msgspec.json.format(msgspec.json.encode({"passed": result.passed, **msgspec.to_builtins(result)})) + b"\n")
+            document = {"passed": result.passed, **msgspec.to_builtins(result)}
+            f.write(msgspec.json.format(msgspec.json.encode(document)) + b"\n")
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(report)
@@ -108,7 +109,8 @@ def _validate(args) -> int:
         print("note: the race test wants --trials >= 20", file=sys.stderr)
     report = run(ValidateConfig(device=args.device, trials=args.trials, pool=args.pool))
     table = Table(title=f"validate transfer ({report.device}, {report.layout})")
-    for column in ("ordering", "trials", "store mismatches", "load mismatches", "checksum mismatches", "skip violations"):
+    columns = ("ordering", "trials", "store mismatches", "load mismatches", "checksum mismatches", "skip violations")
+    for column in columns:
         table.add_column(column, justify="right")
     for m in report.modes:
         table.add_row(m.ordering, str(m.trials), str(m.store_mismatches), str(m.load_mismatches),

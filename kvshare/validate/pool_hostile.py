@@ -48,7 +48,8 @@ def flood_rows(r: FloodResult, plan: FloodPlan) -> list[Row]:
             f"+{r.rss_growth / MiB:.1f} MiB (peak; +{(r.pool_rss_after - r.pool_rss_before) / MiB:.1f} after)",
             r.rss_growth <= plan.max_rss_growth),
         Row(name, "pool", f"innocent STATS p99 < {plan.max_stats_p99_ms:g} ms",
-            f"p50 {r.stats_p50_ms:.2f} / p99 {r.stats_p99_ms:.2f} / max {r.stats_max_ms:.1f} ms ({r.stats_calls} calls)",
+            f"p50 {r.stats_p50_ms:.2f} / p99 {r.stats_p99_ms:.2f} / max {r.stats_max_ms:.1f} ms "
+            f"({r.stats_calls} calls)",
             r.stats_p99_ms < plan.max_stats_p99_ms),
         Row(name, "pool", "no innocent request fails",
             f"{r.innocent_failures} failed of {r.innocent_rounds} store+load rounds"
