@@ -137,7 +137,7 @@ def probe(args) -> None:
 
     from kvshare import checksum
     from kvshare.pool.client import PoolClient
-    from kvshare.transfer.checksum import HASH_THREADS
+    from kvshare.transfer.checksum import HASH_THREADS, torch_terms_sum
     from kvshare.transfer.hostmem import register_pages
 
     client = PoolClient.connect(args.pool)
@@ -157,7 +157,7 @@ def probe(args) -> None:
 
     synchronize = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     if args.device == "cuda":
-        pages = client.torch_pages()
+        pages = torch.from_numpy(client.pages)
         register_pages(pages, n)
         host = pages[:n].view(-1)
         device = torch.empty(n * client.page_size, dtype=torch.uint8, device="cuda")
@@ -170,7 +170,7 @@ def probe(args) -> None:
 
         def gpu_hash():
             for k in range(words.shape[0]):
-                checksum.torch_terms_sum(words[k], rows)
+                torch_terms_sum(words[k], rows)
 
         result["gpu_hash_gb_s"] = size / timed(gpu_hash) / 1e9
         for kv_gib, length in ((8, 32768), (32, 131072)):

@@ -1,6 +1,6 @@
-"""The chunk checksum (I1): one definition, computed by numpy (the pool, CPU replicas) and by torch (a GPU replica's
-staging buffer). Importing this module imports numpy only; the torch path imports torch when it is called, so the
-pool process, which never imports torch, shares this file with the replicas.
+"""The chunk checksum (I1): one definition, computed here by numpy (the pool, CPU replicas) and by torch on a GPU
+replica's staging buffer (kvshare.transfer.checksum.torch_terms_sum, with the same bits). This module imports numpy
+only, so the pool process, which never imports torch, shares it with the replicas.
 
 Definition. A chunk's *extent* is the `nbytes` bytes its pages hold, page after page (page j's bytes are extent bytes
 [j * page_size, (j + 1) * page_size)): in the arena, in an L2 value, anywhere. Read it as little-endian uint64 words
@@ -29,12 +29,9 @@ It detects accidents (a stale or half-written page, a wrong copy), not a forger:
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
-
-if TYPE_CHECKING:
-    import torch
 
 MASK = (1 << 64) - 1
 MIX_MULTIPLIER = 0xBF58476D1CE4E5B9  # splitmix64's first multiplier: odd, well mixed
@@ -196,32 +193,6 @@ def pages_checksum(pages: np.ndarray, page_ids: Sequence[int], nbytes: int) -> i
     if len(page_ids) != need:
         raise ValueError(f"{nbytes} bytes span {need} pages of {page_size}, got {len(page_ids)}")
     return parts_checksum(pages[page, : min(page_size, nbytes - k * page_size)] for k, page in enumerate(page_ids))
-
-
-# ---- torch path ---------------------------------------------------------------------------------------------------
-def _signed(value: int) -> int:
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def _shifted_high(x: torch.Tensor) -> torch.Tensor:
-    """x >> 32 (logical) as a new int64 tensor: torch's >> on int64 is arithmetic, so mask the shifted-in bits."""
-    return x.bitwise_right_shift(32).bitwise_and_(0xFFFFFFFF)
-
-
-def torch_terms_sum(words: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
-    """sum mix(words) * coefficients mod 2^64 as a 0-dim int64 tensor on the words' device (no host sync).
-
-    `words` and `coefficients` are int64 tensors of one shape (any strides): the words and the c_i of their extent
-    positions; a coefficient of 0 leaves its word out. int64 multiplies and sums wrap mod 2^64 on CPU and CUDA, so
-    the bits equal the numpy path's uint64 result (tests/transfer/test_checksum.py checks it on both). Eight
-    elementwise kernels and a sum; `words` is only read."""
-    import torch
-
-    x = _shifted_high(words).bitwise_xor_(words)  # fold, into a new tensor
-    x.mul_(_signed(MIX_MULTIPLIER))
-    x.bitwise_xor_(_shifted_high(x))  # fold
-    x.mul_(coefficients)
-    return x.sum(dtype=torch.int64)
 
 
 def chunk_coefficients(nbytes: int, page_size: int, used_per_page: int) -> np.ndarray:

@@ -20,8 +20,8 @@ class StoreHandle:
 
 
 class KVConnector(Protocol):
-    """The engine's view of the shared pool (kvshare.engine.pool_connector implements it). Never raises: any pool failure
-    becomes a miss (lookup returns 0, load returns False, store returns None) and costs only recompute (I7)."""
+    """The engine's view of the shared pool (kvshare.engine.pool_connector implements it). Never raises: any pool
+    failure becomes a miss (lookup returns 0, load returns False, store returns None) and costs only recompute (I7)."""
 
     chunk_tokens: int
     stats: ConnectorStats

@@ -2,7 +2,8 @@
 
 Split in two halves so that an engine whose scheduler and workers live in different processes (vLLM) can use one
 half in each: `find`/`release_hit` need no KV tensors; `attach`, `load` and `store` move bytes. `PoolConnector` puts
-both halves behind the engine-facing `kvshare.connector.contract.KVConnector` protocol for the reference engine (kvshare.engine.pool_connector).
+both halves behind the engine-facing `kvshare.connector.contract.KVConnector` protocol for the reference engine
+(kvshare.engine.pool_connector).
 
 Invariants:
 - No method raises because of the pool: a missing, crashed, slow or full pool only costs recompute (I7).
@@ -10,6 +11,10 @@ Invariants:
   completed (I3); a hit taken from one pool instance is never loaded from another (pool restarts reuse page numbers).
 - A store's chunk becomes visible only when COMMIT follows the completed copy (I2), and the engine gets a
   StoreHandle that stays not-done until the copy out of its blocks has finished (I4).
+- Reuse reaches the engine's block: a prompt is stored as its full chunks plus at most one tail of whole blocks
+  (kvshare.keys.prompt_chunks), and a hit ends on a block boundary before the prompt's last token, possibly inside
+  a chunk (a prefix of a stored chunk is loaded, its other blocks skipped). A replica that finds the prompt stored
+  whole therefore recomputes between 1 and block_size tokens, not up to a chunk.
 """
 
 from __future__ import annotations
@@ -28,9 +33,9 @@ from kvshare.connector.config import ConnectorConfig
 from kvshare.connector.contract import ConnectorStats, StoreHandle
 from kvshare.connector.failures import Failures
 from kvshare.connector.link import PoolLink
-from kvshare.keys import Namespace, chunk_keys, token_bytes
+from kvshare.keys import Namespace, PromptChunks, chunk_keys, prompt_chunks, token_bytes
 from kvshare.pool.client import NewChunk, PoolClient
-from kvshare.transfer import KVLayout, LoadJob, StoreJob, Transfer, TransferOptions, make_transfer
+from kvshare.transfer import SKIP, KVLayout, LoadJob, StoreJob, Transfer, TransferOptions, arena_pages, make_transfer
 
 log = logging.getLogger("kvshare.connector")
 
@@ -46,6 +51,8 @@ class PoolHit(msgspec.Struct, frozen=True):
     checksums: list[int]
     namespace: bytes = b""  # the namespace key and the chunks' keys: what a DISCARD of corrupt chunks names
     keys: list[bytes] = []
+    counts: list[int] = []  # tokens in each chunk: chunk_tokens, or fewer for a tail
+    end: int = 0  # the hit covers tokens [.., end): block-aligned, maybe inside the last chunk (the rest is skipped)
 
     @property
     def num_chunks(self) -> int:
@@ -79,11 +86,17 @@ def _instance_of(client: PoolClient) -> str:
 class ConnectorCore:
     """Keys, LOOKUP/RESERVE/COMMIT and transfers for one engine (one TP rank)."""
 
-    def __init__(self, config: ConnectorConfig, namespace: Namespace):
+    def __init__(self, config: ConnectorConfig, namespace: Namespace, block_tokens: int | None = None):
+        """block_tokens: the engine's block size, the unit of a hit and of a stored tail (None: whole chunks only)."""
         if namespace.chunk_tokens != config.chunk_tokens:
-            raise ValueError(f"namespace chunk_tokens {namespace.chunk_tokens} != connector chunk_tokens {config.chunk_tokens}")
+            raise ValueError(f"namespace chunk_tokens {namespace.chunk_tokens} != "
+                             f"connector chunk_tokens {config.chunk_tokens}")
+        block_tokens = block_tokens or config.chunk_tokens
+        if config.chunk_tokens % block_tokens:
+            raise ValueError(f"chunk_tokens {config.chunk_tokens} must be a multiple of the block size {block_tokens}")
         self.config = config
         self.chunk_tokens = config.chunk_tokens
+        self.block_tokens = block_tokens
         self.stats = ConnectorStats()
         self._base_namespace = namespace
         self._kv: EngineKV | None = None
@@ -106,10 +119,18 @@ class ConnectorCore:
         step = 4 * self.chunk_tokens
         return namespace, keys, [data[i * step : (i + 1) * step] for i in range(len(keys))]
 
+    def prompt_plan(self, token_ids: Sequence[int], salt: str = "",
+                    tail: bool = True) -> tuple[Namespace, PromptChunks]:
+        """(namespace, chunks) of token_ids: its full chunks and, with `tail`, the tail of whole blocks after them."""
+        namespace = self.namespace(salt)
+        blocks = self.block_tokens if tail and self.block_tokens < self.chunk_tokens else 0
+        return namespace, prompt_chunks(namespace.key, token_ids, self.chunk_tokens, blocks)
+
     # ---- scheduler half: no tensors -----------------------------------------------------------------------------
     def find(self, token_ids: Sequence[int], num_computed: int, salt: str = "") -> PoolHit | None:
-        """The pool's cached full chunks beyond the first `num_computed` tokens, under a read lease, or None.
-        Never raises."""
+        """What the pool holds of token_ids (a request's tokens, its last included) beyond the first `num_computed`,
+        under a read lease, or None. The hit ends on a block boundary before the last token, which the engine must
+        compute for its logits; it may end inside a stored chunk. Never raises."""
         try:
             return self._find(token_ids, num_computed, salt)
         except Exception as error:  # noqa: BLE001 - a bug here is a miss, recorded with its traceback
@@ -117,24 +138,29 @@ class ConnectorCore:
             return None
 
     def _find(self, token_ids: Sequence[int], num_computed: int, salt: str) -> PoolHit | None:
-        namespace, keys, tokens = self.chunk_plan(token_ids, salt)
-        if len(keys) * self.chunk_tokens <= num_computed:
+        namespace, plan = self.prompt_plan(token_ids, salt)
+        limit = (len(token_ids) - 1) // self.block_tokens * self.block_tokens  # whole blocks, never the last token
+        plan = plan.first(-(-limit // self.chunk_tokens))  # the chunks that start before the limit
+        if min(plan.end(), limit) <= num_computed:
             return None
         self.stats.lookups += 1
         # LOOKUP always starts at chunk 0 so the pool verifies the whole chain (parents and tokens) it serves.
-        found = self._link.call("lookup", lambda c: (c.lookup(namespace.key, keys, tokens), _instance_of(c)), namespace)
+        found = self._link.call("lookup", lambda c: (c.lookup(namespace.key, plan.keys, plan.tokens), _instance_of(c)),
+                                namespace)
         if found is None:
             return None
         lookup, instance = found
         first = num_computed // self.chunk_tokens
-        if len(lookup.chunks) <= first:
+        end = min(plan.end(len(lookup.chunks)), limit)
+        if end <= num_computed:
             if lookup.lease:
                 self._link.call("release", lambda c: c.release(lookup.lease))
             return None
         chunks = lookup.chunks[first:]
         hit = PoolHit(instance, lookup.lease, first, [list(c.pages) for c in chunks], [c.nbytes for c in chunks],
-                      [c.checksum for c in chunks], namespace.key, [c.key for c in chunks])
-        self.stats.lookup_hit_tokens += (first + hit.num_chunks) * self.chunk_tokens - num_computed
+                      [c.checksum for c in chunks], namespace.key, [c.key for c in chunks],
+                      plan.counts[first : len(lookup.chunks)], end)
+        self.stats.lookup_hit_tokens += end - num_computed
         return hit
 
     def release_hit(self, hit: PoolHit) -> None:
@@ -155,7 +181,7 @@ class ConnectorCore:
         transfer = None
         if self._kv is not None:
             options = TransferOptions(checksums=self.config.checksums_on)
-            transfer = make_transfer(self._kv.layout, self._kv.kv_caches, client.torch_pages(), options=options)
+            transfer = make_transfer(self._kv.layout, self._kv.kv_caches, arena_pages(client), options=options)
         self._attached = Attached(_instance_of(client), transfer)
 
     def load(self, hit: PoolHit, block_ids: Sequence[int], num_computed: int, release: bool = True) -> bool:
@@ -194,13 +220,16 @@ class ConnectorCore:
         # written the blocks: a failed load's blocks count as not computed, and the engine (or vLLM's recompute
         # policy) recomputes them.
         verify = self.config.verify_checksums
-        per_chunk = self.chunk_tokens // kv.layout.block_size
-        skip_below = num_computed // kv.layout.block_size
+        block = kv.layout.block_size
+        per_chunk = self.chunk_tokens // block
+        # Blocks the engine has (below num_computed) or will compute (from hit.end) are skipped; the whole chunk is
+        # still read for its checksum.
+        wanted = range(num_computed // block, hit.end // block)
         jobs = []
         for i, pages in enumerate(hit.pages):
             first_block = (hit.first_chunk + i) * per_chunk
-            blocks = [b if first_block + j >= skip_below else -1 for j, b in enumerate(block_ids[first_block : first_block + per_chunk])]
-            jobs.append(LoadJob(pages=pages, block_ids=blocks))
+            chunk_blocks = range(first_block, first_block + hit.counts[i] // block)
+            jobs.append(LoadJob(pages=pages, block_ids=[block_ids[j] if j in wanted else SKIP for j in chunk_blocks]))
         handle = transfer.load(jobs, checksums=verify)
         try:
             read = handle.checksums() if verify else hit.checksums
@@ -227,28 +256,33 @@ class ConnectorCore:
                                   if _instance_of(c) == hit.pool_instance else 0)
         self.stats.discarded_chunks += removed or 0
 
-    def store(self, token_ids: Sequence[int], block_ids: Sequence[int], num_stored: int, salt: str = "") -> StoreHandle | None:
-        """Store the full chunks of token_ids beyond the first `num_stored` tokens. Never raises."""
+    def store(self, token_ids: Sequence[int], block_ids: Sequence[int], num_stored: int, salt: str = "",
+              tail: bool = False) -> StoreHandle | None:
+        """Store the chunks of token_ids beyond the first `num_stored` tokens: its full chunks and, with `tail`, the
+        whole blocks after them as one partial chunk (a prompt's own store: at most one tail per prompt). Never
+        raises."""
         try:
-            return self._store(token_ids, block_ids, num_stored, salt)
+            return self._store(token_ids, block_ids, num_stored, salt, tail)
         except Exception as error:  # noqa: BLE001 - a failed store is a future miss, never a failed request
             self._failures.record("store", error, "continuing without it")
             return None
 
     def _store(self, token_ids: Sequence[int], block_ids: Sequence[int], num_stored: int,
-               salt: str) -> StoreHandle | None:
-        namespace, keys, tokens = self.chunk_plan(token_ids, salt)
+               salt: str, tail: bool) -> StoreHandle | None:
+        namespace, plan = self.prompt_plan(token_ids, salt, tail)
         first = num_stored // self.chunk_tokens
+        if first < len(plan) and plan.end(first + 1) <= num_stored:
+            first += 1  # a tail stored before, up to num_stored
         kv = self._kv
-        if first >= len(keys) or kv is None:
+        if first >= len(plan) or kv is None:
             return None
-        parents = [namespace.key, *keys[:-1]]
 
         def reserve(client):
-            # The chunk's extent depends on the arena's page size: units never straddle pages (KVLayout.chunk_nbytes).
-            nbytes = kv.layout.chunk_nbytes(self.chunk_tokens, client.page_size)
-            end = self._within_lease_limit(first, len(keys), -(-nbytes // client.page_size))
-            new = [NewChunk(key=keys[i], parent=parents[i], tokens=tokens[i], nbytes=nbytes) for i in range(first, end)]
+            # A chunk's extent depends on the arena's page size: units never straddle pages (KVLayout.chunk_nbytes).
+            full_pages = -(-kv.layout.chunk_nbytes(self.chunk_tokens, client.page_size) // client.page_size)
+            end = self._within_lease_limit(first, len(plan), full_pages)
+            new = [NewChunk(key=plan.keys[i], parent=plan.parents[i], tokens=plan.tokens[i],
+                            nbytes=kv.layout.chunk_nbytes(plan.counts[i], client.page_size)) for i in range(first, end)]
             return (client.reserve(namespace.key, new), _instance_of(client)) if new else None
 
         started = time.perf_counter()
@@ -262,13 +296,15 @@ class ConnectorCore:
             if reservation.lease:
                 self._link.call("release", lambda c: c.release(reservation.lease))
             return None
-        per_chunk = self.chunk_tokens // kv.layout.block_size
+        block = kv.layout.block_size
+        per_chunk = self.chunk_tokens // block
         jobs, refs = [], []
         for i, ref in enumerate(reservation.chunks, start=first):
             if ref is None:
                 self.stats.store_skipped_chunks += 1
                 continue
-            jobs.append(StoreJob(block_ids=list(block_ids[i * per_chunk : (i + 1) * per_chunk]), pages=list(ref.pages)))
+            blocks = block_ids[i * per_chunk : i * per_chunk + plan.counts[i] // block]
+            jobs.append(StoreJob(block_ids=list(blocks), pages=list(ref.pages)))
             refs.append(ref)
         if not jobs:
             if reservation.lease:

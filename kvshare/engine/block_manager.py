@@ -1,7 +1,8 @@
 """KV block allocation with a local automatic prefix cache: refcounted blocks, full-block hash chain, LRU reuse.
 
 A full block's hash is kvshare.keys.block_hash: xxh3-64(parent block's hash ‖ its token ids as little-endian uint32),
-seedless, identical in every process. A hit is confirmed by comparing the stored token ids, so a hash collision cannot serve wrong K/V.
+seedless, identical in every process. A hit is confirmed by comparing the stored token ids, so a hash collision
+cannot serve wrong K/V.
 Free blocks keep their contents and hash until reused, in least-recently-freed order, so a recently finished
 request's prefix can still be hit. Blocks are freed in reverse table order: a prefix's tail is evicted before its
 head, which other requests are more likely to share.

@@ -34,7 +34,8 @@ class PoolConnector:
             chunk_tokens=config.chunk_tokens,
         )
         if config.chunk_tokens % engine.block_size:
-            raise ValueError(f"--chunk-tokens {config.chunk_tokens} must be a multiple of the block size {engine.block_size}")
+            raise ValueError(
+                f"--chunk-tokens {config.chunk_tokens} must be a multiple of the block size {engine.block_size}")
         core = ConnectorCore(config, namespace)
         core.attach(layout, engine.kv_caches)
         return cls(core)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -19,9 +18,6 @@ from kvshare.pool import protocol as p
 from kvshare.pool.arena import Mapping
 from kvshare.pool.protocol import ChunkRef, NewChunk
 from kvshare.pool.stats import PoolStats
-
-if TYPE_CHECKING:
-    import torch
 
 SEND_BUFFER = 4 << 20  # SO_SNDBUF of a Unix-socket connection (see _open_socket)
 
@@ -108,12 +104,6 @@ class PoolClient:
         if self._mapping is None:
             raise PoolUnavailable("the arena is not mapped (closed, or connected with map_arena=False)")
         return self._mapping.pages
-
-    def torch_pages(self) -> "torch.Tensor":
-        """uint8 [num_pages, page_size] torch tensor sharing memory with the arena (zero copy)."""
-        import torch
-
-        return torch.from_numpy(self.pages)
 
     def write(self, ref: ChunkRef, data: np.ndarray | bytes) -> None:
         """Copy a chunk's bytes into its reserved pages (page i gets bytes [i * page_size, (i + 1) * page_size))."""

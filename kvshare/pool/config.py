@@ -70,7 +70,8 @@ class PoolConfig:
             raise ValueError(f"--max-buffered ({self.max_buffered}) must hold at least one frame of --max-frame "
                              f"({self.max_frame})")
         if self.tcp and not self.token:
-            raise ValueError("--tcp needs a shared token: pass --token-file FILE (clients send it in their first message)")
+            raise ValueError(
+                "--tcp needs a shared token: pass --token-file FILE (clients send it in their first message)")
 
     @property
     def num_pages(self) -> int:

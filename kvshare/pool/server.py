@@ -205,7 +205,8 @@ class PoolServer:
     def _dispatch(self, conn: Connection, request: p.Request) -> p.Reply:
         s = self.state
         if not conn.authenticated:
-            if isinstance(request, p.Attach) and hmac.compare_digest(request.token.encode(), self.config.token.encode()):
+            if isinstance(request, p.Attach) and hmac.compare_digest(request.token.encode(),
+                                                                     self.config.token.encode()):
                 conn.authenticated = True
             else:
                 raise CloseConnection(p.ErrorCode.AUTH, "authentication failed: over TCP the first message must be "
@@ -217,7 +218,8 @@ class PoolServer:
             case p.Attach(pid=pid):
                 if not conn.is_unix and conn.id not in self.watches:
                     self._identify(conn, pid)
-                return p.ArenaInfo(self.arena.path, self.config.page_size, self.config.num_pages, s.allocator.prepared, self.instance)
+                return p.ArenaInfo(self.arena.path, self.config.page_size, self.config.num_pages, s.allocator.prepared,
+                                   self.instance)
             case p.Hello(namespace, description):
                 s.hello(namespace, description, conn.id)
                 return p.Ok()
@@ -330,7 +332,8 @@ def allow_connections(n: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = 2 * n + 64  # a socket and a pidfd per connection
     if soft < wanted:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted if hard == resource.RLIM_INFINITY else min(wanted, hard), hard))
+        new_soft = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new_soft, hard))
         if hard != resource.RLIM_INFINITY and hard < wanted:
             announce(f"open-file limit {hard} holds fewer than --max-connections {n}: raise it (ulimit -Hn)")
 

@@ -28,7 +28,8 @@ from kvshare.pool.protocol import ChunkRef, ErrorCode, LookupReply, NewChunk, Re
 from kvshare.pool.stats import PoolStats
 
 KEY_BYTES = 16
-_PARENT, _NAMESPACE, _TOKENS, _PAGES = attrgetter("parent"), attrgetter("namespace"), attrgetter("tokens"), attrgetter("pages")
+_PARENT, _NAMESPACE = attrgetter("parent"), attrgetter("namespace")
+_TOKENS, _PAGES = attrgetter("tokens"), attrgetter("pages")
 
 
 class RequestError(Exception):
@@ -139,7 +140,8 @@ class PoolState:
         failed = False
         expected_parents = [namespace, *keys[: n - 1]] if n else []
         if list(map(_PARENT, hits)) != expected_parents or list(map(_NAMESPACE, hits)).count(namespace) != n:
-            n = next(i for i, (e, p) in enumerate(zip(hits, expected_parents)) if e.parent != p or e.namespace != namespace)
+            n = next(i for i, (e, p) in enumerate(zip(hits, expected_parents))
+                     if e.parent != p or e.namespace != namespace)
             hits, failed = hits[:n], True
         # Equal lengths, then bytes.startswith(same-length view): a memcmp. (bytes == memoryview is ~100x slower.)
         stored = list(map(_TOKENS, hits))
@@ -321,7 +323,8 @@ class PoolState:
         """The lease, if `client` may end it: its own, or a fenced lease of another connection of the same process
         (a client that reconnected confirms that its old connection's copies are over)."""
         lease = self.leases.get(lease_id)
-        if lease is not None and (lease.client == client or (lease.fenced and self._same_process(lease.client, client))):
+        if lease is not None and (lease.client == client
+                                  or (lease.fenced and self._same_process(lease.client, client))):
             return lease
         raise RequestError(
             ErrorCode.UNKNOWN_LEASE,

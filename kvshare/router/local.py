@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from kvshare.processes import ServerProcess, free_port
+from kvshare.processes import ServerProcess, free_port, kvshare_argv
 
 
 def stub_replica(name: str, first_token_delay_ms: float = 0.0, token_interval_ms: float = 0.0) -> ServerProcess:
@@ -17,7 +17,7 @@ def stub_replica(name: str, first_token_delay_ms: float = 0.0, token_interval_ms
 
 def router(replica_urls: list[str], policy: str = "round-robin", *extra: str) -> ServerProcess:
     port = free_port()
-    argv = [sys.executable, "-m", "kvshare.router", "--port", str(port), "--policy", policy, *extra]
+    argv = kvshare_argv("route", "--port", str(port), "--policy", policy, *extra)
     for url in replica_urls:
         argv += ["--replica", url]
     return ServerProcess(argv, port, "router")

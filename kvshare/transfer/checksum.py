@@ -73,7 +73,7 @@ class DeviceHasher:
         self.stream.wait_event(ready)  # RAW on staging: hash only the bytes the gather (store) / copy (load) put there
         with torch.cuda.stream(self.stream):
             words = staging[: j1 - j0].view(torch.int64)  # [pages, used_per_page // 8]
-            return checksum.torch_terms_sum(words, self._rows(nbytes)[j0:j1])
+            return torch_terms_sum(words, self._rows(nbytes)[j0:j1])
 
     def finish(self, parts: list[torch.Tensor], owners: list[int], extents: list[int]) -> Callable[[], list[int]]:
         """Copy every part to the host (one copy, on the hash stream) and return the function that waits for it and
@@ -104,3 +104,27 @@ class DeviceHasher:
                 rows = host.pin_memory().to(self.device, non_blocking=True)
             self._coefficients[nbytes] = rows
         return rows
+
+
+# ---- the torch path of kvshare.checksum (same bits as its numpy path) -------------------------------------------
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shifted_high(x: torch.Tensor) -> torch.Tensor:
+    """x >> 32 (logical) as a new int64 tensor: torch's >> on int64 is arithmetic, so mask the shifted-in bits."""
+    return x.bitwise_right_shift(32).bitwise_and_(0xFFFFFFFF)
+
+
+def torch_terms_sum(words: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
+    """sum mix(words) * coefficients mod 2^64 as a 0-dim int64 tensor on the words' device (no host sync).
+
+    `words` and `coefficients` are int64 tensors of one shape (any strides): the words and the c_i of their extent
+    positions; a coefficient of 0 leaves its word out. int64 multiplies and sums wrap mod 2^64 on CPU and CUDA, so
+    the bits equal the numpy path's uint64 result (tests/transfer/test_checksum.py checks it on both). Eight
+    elementwise kernels and a sum; `words` is only read."""
+    x = _shifted_high(words).bitwise_xor_(words)  # fold, into a new tensor
+    x.mul_(_signed(checksum.MIX_MULTIPLIER))
+    x.bitwise_xor_(_shifted_high(x))  # fold
+    x.mul_(coefficients)
+    return x.sum(dtype=torch.int64)

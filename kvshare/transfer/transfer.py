@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Iterable, Literal, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Literal, Sequence
 
 import torch
 
@@ -12,6 +12,9 @@ from kvshare.transfer.blocks import BlockSpace, build_block_space
 from kvshare.transfer.checksum import arena_checksum, start_checksums
 from kvshare.transfer.jobs import ChunkPlan, LoadJob, StoreJob, TransferHandle, plan
 from kvshare.transfer.layout import KVLayout
+
+if TYPE_CHECKING:
+    from kvshare.pool.client import PoolClient
 
 Ordering = Literal["stream", "none"]
 ChecksumsOn = Literal["device", "host"]
@@ -55,7 +58,7 @@ class Transfer:
             raise ValueError(f"pages must be a host uint8 [num_pages, page_size] tensor, got {pages.dtype} "
                              f"{tuple(pages.shape)} on {pages.device}")
         if pages.stride() != (pages.shape[1], 1):
-            raise ValueError("pages must be row-contiguous (a view of the arena, e.g. PoolClient.torch_pages())")
+            raise ValueError("pages must be row-contiguous (a view of the arena: arena_pages(client))")
         self.space, self.layout, self.pages, self.options = space, space.layout, pages, options
         self.page_size, self.num_pages = pages.shape[1], pages.shape[0]
         self._arena = pages.numpy()  # the same memory, for the host checksum (numpy)
@@ -126,3 +129,9 @@ def make_transfer(
 
         return CudaTransfer(space, pages, options)
     raise ValueError(f"KV tensors on {space.device}: only cpu and cuda are supported")
+
+
+def arena_pages(client: PoolClient) -> torch.Tensor:
+    """uint8 [num_pages, page_size] torch tensor sharing memory with the client's arena mapping (zero copy): what
+    make_transfer takes as `pages`."""
+    return torch.from_numpy(client.pages)

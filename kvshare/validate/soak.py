@@ -9,6 +9,7 @@ the lease timeout no leased, reserved or quarantined page in the pool and its in
 from __future__ import annotations
 
 import logging
+import subprocess
 import tempfile
 import threading
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 import httpx
 import msgspec
 
+from kvshare.processes import kvshare_argv
 from kvshare.validate.deployment import DeployConfig, SoakDeployment
 from kvshare.validate.faults import KINDS, Fault, Injector
 from kvshare.validate.workload import Outcome, Prompts, Reference, send, shared_prefixes
@@ -174,9 +176,11 @@ def _fault_row(fault: Fault, t0: float) -> dict:
 
 
 def _tiny_model(directory: Path) -> Path:
-    from kvshare.engine.make_model import make_model
-
-    return make_model("tiny", directory / "tiny-model", seed=0)
+    """`kvshare make-model --preset tiny`, as a process: the soak reaches the engine only through its processes."""
+    out = directory / "tiny-model"
+    subprocess.run(kvshare_argv("make-model", "--preset", "tiny", "--out", str(out)), check=True,
+                   stdout=subprocess.DEVNULL)
+    return out
 
 
 def markdown(result: SoakResult, command: str) -> str:

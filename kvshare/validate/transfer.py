@@ -20,6 +20,7 @@ import torch
 
 from kvshare import checksum
 from kvshare.keys import Namespace, chunk_keys, token_bytes
+from kvshare.transfer import arena_pages
 from kvshare.transfer.jobs import SKIP, LoadJob, StoreJob
 from kvshare.transfer.layout import KVLayout
 from kvshare.transfer.transfer import TransferOptions, make_transfer
@@ -112,7 +113,7 @@ class _Trial:
         self.kv_bytes = self.kv.view(torch.uint8).view(layout.num_layers, layout.num_blocks, layout.block_bytes)
         delay = config.sleep_cycles if config.device == "cuda" else 0
         options = TransferOptions(ordering=ordering, side_delay_cycles=delay)
-        self.transfer = make_transfer(layout, list(self.kv.unbind(0)), client.torch_pages(), options=options)
+        self.transfer = make_transfer(layout, list(self.kv.unbind(0)), arena_pages(client), options=options)
         self.namespace = Namespace("validate-transfer", "bfloat16", layout.layout_id(), config.chunk_tokens).key
         client.hello(self.namespace, "kvshare validate transfer")
         self.rng = np.random.default_rng(config.seed)

@@ -16,7 +16,7 @@ from kvshare.engine.engine import Engine, generate
 from kvshare.engine.pool_connector import PoolConnector
 from kvshare.engine.testing import make_tiny_model
 from kvshare.pool.testing import start_pool
-from kvshare.transfer import KVLayout
+from kvshare.transfer import KVLayout, arena_pages
 
 CHUNK = 32
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -149,7 +149,7 @@ def test_corrupted_pool_bytes_are_recomputed_only_when_checksums_are_verified(en
         run(a, prompt)
         a.connector.core.flush()
         with PoolClient.connect(address) as client:
-            client.torch_pages().view(-1)[::512] += 1
+            arena_pages(client).view(-1)[::512] += 1
         tokens_b, usage_b = run(b, prompt, rid="b")
         b.connector.core.flush()
         pool = read_stats(address)

@@ -15,6 +15,7 @@ from kvshare.pool import protocol as p
 from kvshare.pool.client import PoolClient, PoolError, PoolUnavailable, checksum
 from kvshare.pool.protocol import ErrorCode
 from kvshare.pool.testing import start_pool
+from kvshare.transfer import arena_pages
 from tests.pool.conftest import NS, PAGE, new_chunks, prompt, random_bytes
 
 
@@ -39,7 +40,7 @@ def test_store_then_lookup_round_trip_is_byte_exact(client, ns):  # I1, I2
 def test_torch_and_numpy_views_share_the_arena(client, ns):
     keys, tokens = prompt(1, ns=ns)
     ref = client.reserve(ns, new_chunks(keys, tokens, 64, ns)).chunks[0]
-    client.torch_pages()[ref.pages[0], :64] = 9
+    arena_pages(client)[ref.pages[0], :64] = 9
     assert (client.pages[ref.pages[0], :64] == 9).all()
 
 

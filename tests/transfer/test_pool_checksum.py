@@ -11,7 +11,7 @@ import torch
 from kvshare.pool.client import PoolClient
 from kvshare.pool.l2.testing import REDIS_MISSING, redis_available, start_redis, url_of
 from kvshare.pool.testing import start_pool
-from kvshare.transfer import KVLayout, LoadJob, StoreJob, make_transfer
+from kvshare.transfer import KVLayout, LoadJob, StoreJob, arena_pages, make_transfer
 from tests.pool.conftest import new_chunks, prompt
 from tests.transfer.conftest import make_kv, reference_chunk
 
@@ -40,7 +40,7 @@ def test_replica_pool_and_l2_agree_on_the_checksum_of_chunks_with_page_tails():
             b.hello(NS, "reader")
             a.pages[:] = 0xEE  # old bytes everywhere, page tails included
             kv_a = make_kv(layout, seed=1)
-            writer = make_transfer(layout, kv_a, a.torch_pages())
+            writer = make_transfer(layout, kv_a, arena_pages(a))
             reservation = a.reserve(NS, new_chunks(keys, tokens, nbytes, first_parent=NS))
             blocks = [list(range(c * 8, (c + 1) * 8)) for c in range(chunks)]
             handle = writer.store([StoreJob(blocks[c], ref.pages) for c, ref in enumerate(reservation.chunks)])
@@ -49,7 +49,7 @@ def test_replica_pool_and_l2_agree_on_the_checksum_of_chunks_with_page_tails():
             _wait(a, lambda s: s.l2_writes == chunks, "every chunk written behind (none dropped)")
 
             kv_b = make_kv(layout, seed=2)
-            reader = make_transfer(layout, kv_b, b.torch_pages())
+            reader = make_transfer(layout, kv_b, arena_pages(b))
             found = b.lookup(NS, keys, tokens)  # an L1 miss: promoted from L2 with the value's checksum
             try:
                 assert len(found.chunks) == chunks and b.stats().l2_promotions == chunks

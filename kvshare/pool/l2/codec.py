@@ -6,8 +6,8 @@ for one chunk lands in one slot while different chunks spread over every master.
 
 A value is self-describing and verified on every read: the header repeats key, namespace, parent, tokens and nbytes,
 and carries the chunk checksum of the bytes (`kvshare.checksum`, the one COMMIT carries: a promoted chunk is
-committed with it and replicas verify their loads against it). decode_verified() rejects anything that does not match what the reader asked
-for, so a corrupted, truncated, foreign or colliding value is a miss, never wrong KV.
+committed with it and replicas verify their loads against it). decode_verified() rejects anything that does not
+match what the reader asked for, so a corrupted, truncated, foreign or colliding value is a miss, never wrong KV.
 """
 
 from __future__ import annotations

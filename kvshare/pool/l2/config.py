@@ -24,7 +24,7 @@ class L2Config:
     piece_bytes: int = 1 << 20  # striped: values of a known length come in GETRANGE pieces of this size (0: GET)
 
     def __post_init__(self):
-        self.nodes  # validates the URL
+        _ = self.nodes  # validates the URL
         if self.ttl < 0:
             raise ValueError(f"--l2-ttl must be >= 0 seconds (0: no expiry), got {self.ttl}")
         if self.queue < 1:

@@ -87,7 +87,7 @@ def start_redis_cluster(masters: int = 3) -> Iterator[list[RedisProcess]]:
     with tempfile.TemporaryDirectory(prefix="kvshare-redis-cluster-") as tmp:
         servers = []
         try:
-            for i in range(masters):
+            for _ in range(masters):
                 port = free_port(also_plus=10000)
                 servers.append(RedisProcess(tmp, port, ["--cluster-enabled", "yes", "--cluster-config-file",
                                                         f"nodes-{port}.conf", "--cluster-node-timeout", "2000"]))
