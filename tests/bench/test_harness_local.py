@@ -44,7 +44,8 @@ def test_cross_replica_and_sessions_on_local_replicas(tiny_model, tmp_path):
     assert len(turns) == 12
     alternate_on = [r for r in turns if r.arm == "ON" and r.placement == "alternate"]
     assert len({r.replica for r in alternate_on}) == 2  # the router alternated
-    assert all(r.pool_hit_tokens > 0 for r in alternate_on if r.turn == 2)  # B loads turn 1 (computed on A) from the pool
+    # B loads turn 1 (computed on A) from the pool
+    assert all(r.pool_hit_tokens > 0 for r in alternate_on if r.turn == 2)
 
 
 def test_validate_service_passes_on_local_replicas(tiny_model, tmp_path):

@@ -26,7 +26,8 @@ def test_settle_waits_for_the_commit_of_an_open_reservation(tmp_path):
             off = threading.Thread(target=deployment.settle, kwargs=dict(timeout_s=30))
             off.start()
             off.join(10)
-            assert not off.is_alive()  # the OFF arm's replicas use no pool: nothing to wait for, open reservation or not
+            # the OFF arm's replicas use no pool: nothing to wait for, open reservation or not
+            assert not off.is_alive()
             deployment.arm = "ON"
             settled = threading.Event()
             waiter = threading.Thread(target=lambda: (deployment.settle(timeout_s=30), settled.set()))

@@ -45,7 +45,8 @@ def attach(engine: Engine, address: str, **overrides) -> PoolConnector:
 
 
 def run(engine: Engine, prompt: list[int], sampling: SamplingParams = GREEDY, rid: str = "r"):
-    (result,) = generate(engine, [GenerationRequest(f"{rid}-{len(prompt)}-{prompt[0]}", tuple(prompt), sampling)], timeout=120)
+    request = GenerationRequest(f"{rid}-{len(prompt)}-{prompt[0]}", tuple(prompt), sampling)
+    (result,) = generate(engine, [request], timeout=120)
     assert result.finished is not None and result.finished.finish_reason != "error", result.finished
     return result.token_ids, result.finished.usage
 

@@ -81,7 +81,8 @@ class Replica:
     def wait_ready(self, deadline: float) -> None:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"vLLM replica {self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"vLLM replica {self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
@@ -130,7 +131,8 @@ class Deployment:
         deadline = time.monotonic() + timeout
         while self.pool_stats().chunks < at_least and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert self.pool_stats().chunks >= at_least, f"pool holds {self.pool_stats().chunks} chunks\n{self.a.log_tail()}"
+        chunks = self.pool_stats().chunks
+        assert chunks >= at_least, f"pool holds {chunks} chunks\n{self.a.log_tail()}"
 
 
 @pytest.fixture(scope="module")

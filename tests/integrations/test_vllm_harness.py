@@ -106,4 +106,5 @@ def test_bench_cross_replica_against_vllm(harness, tmp_path):
         # ON: B loaded every full chunk from the pool (vLLM counts them in cached_tokens too); OFF: nothing cached.
         assert (row.pool_hit_tokens, row.cached_tokens, row.local_hit_tokens) == (expected, expected, 0), row
     report = (tmp_path / "report.md").read_text().splitlines()
-    assert all(any(line.startswith(f"| {label} | 2/2 |") for line in report) for label in lengths)  # n OFF/ON per length
+    # n OFF/ON per length
+    assert all(any(line.startswith(f"| {label} | 2/2 |") for line in report) for label in lengths)

@@ -35,7 +35,8 @@ def test_keys_match_across_processes_and_hash_seeds():
 def test_keys_change_with_any_namespace_field_or_token():
     base = Namespace("m", "bfloat16", "l")
     variants = [Namespace("m2", "bfloat16", "l"), Namespace("m", "float16", "l"), Namespace("m", "bfloat16", "l2"),
-                Namespace("m", "bfloat16", "l", chunk_tokens=128), Namespace("m", "bfloat16", "l", tp_rank=1, tp_size=2),
+                Namespace("m", "bfloat16", "l", chunk_tokens=128),
+                Namespace("m", "bfloat16", "l", tp_rank=1, tp_size=2),
                 Namespace("m", "bfloat16", "l", salt="s")]
     assert len({base.key, *(v.key for v in variants)}) == 1 + len(variants)
     a = chunk_keys(base.key, [1, 2, 3, 4, 5, 6, 7, 8], 4)

@@ -66,7 +66,8 @@ def test_check_of_a_live_pool_leaves_its_chunks_intact():
         assert [client.read(ref).tobytes() for ref in found.chunks] == data
         client.release(found.lease)
         assert client.stats().chunks == 4 and client.health(deep=True)
-        out = subprocess.run(check + ["--socket", address, "--destructive"], capture_output=True, text=True, timeout=120)
+        out = subprocess.run(check + ["--socket", address, "--destructive"],
+                             capture_output=True, text=True, timeout=120)
         assert out.returncode == 0 and "destructive" in out.stdout, out.stdout + out.stderr
         assert client.stats().chunks == 0
 

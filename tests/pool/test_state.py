@@ -349,7 +349,8 @@ def test_lookup_matches_the_chunk_by_chunk_reference(committed, edits, n, limit)
     assert state.counters["verify_failures"] == int(expected_failed)
     refs = reply.refs(keys[:n])
     assert [(r.key, r.pages, r.nbytes, r.checksum) for r in refs] == [
-        (k, state.index.committed[k].pages, state.index.committed[k].nbytes, 1000 + i) for i, k in enumerate(keys[:expected_hits])]
+        (k, state.index.committed[k].pages, state.index.committed[k].nbytes, 1000 + i)
+        for i, k in enumerate(keys[:expected_hits])]
     assert (reply.lease != 0) == bool(expected_hits)
     state.check_integrity()
 

@@ -91,4 +91,5 @@ def test_tcp_client_that_fails_authentication_gets_nothing(tmp_path, first):
             assert intruder.recv(1) == b""  # and the connection is closed: nothing more can be asked
         with PoolClient.connect(f"tcp://127.0.0.1:{port}", token="s3cret", map_arena=False) as client:
             stats = client.stats()
-            assert client.health(deep=True) and stats.namespaces == 1 and stats.chunks == 1  # the intruder changed nothing
+            # the intruder changed nothing
+            assert client.health(deep=True) and stats.namespaces == 1 and stats.chunks == 1

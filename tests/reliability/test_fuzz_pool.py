@@ -160,7 +160,8 @@ def test_random_request_sequences_keep_pool_state_consistent(sequence, lease_lim
         state.client_gone(client)
     state.check_integrity()
     stats = state.stats()
-    assert stats.pages_reserved == stats.pages_quarantined == len(state.leases) == 0  # nothing outlives its clients (I8)
+    # nothing outlives its clients (I8)
+    assert stats.pages_reserved == stats.pages_quarantined == len(state.leases) == 0
 
 
 # ---- the server's handler: bytes in, exactly one reply out -------------------------------------------------------
@@ -168,7 +169,8 @@ def test_random_request_sequences_keep_pool_state_consistent(sequence, lease_lim
 TYPES = ["Attach", "Hello", "Lookup", "Reserve", "Commit", "Release", "Stats", "Clear", "Health", "Nope", 5]
 values = st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.binary(max_size=40)
                       | st.text(max_size=10) | st.sampled_from(KEYS + [NAMESPACE]),
-                      lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                      lambda inner: (st.lists(inner, max_size=5)
+                                     | st.dictionaries(st.text(max_size=8), inner, max_size=4)),
                       max_leaves=20)
 FIELDS = ["namespace", "keys", "tokens", "token_lengths", "chunks", "lease", "checksums", "deep", "token", "pid"]
 near_valid = st.builds(lambda t, fields: encode({"type": t, **fields}), st.sampled_from(TYPES),

@@ -79,7 +79,8 @@ def test_bad_request_gets_a_clear_error_and_the_server_stays_up(servers, target,
 def test_error_messages_name_the_problem(servers):
     base = servers["replica"]
     post = lambda body: httpx.post(f"{base}/v1/completions", json=body, timeout=120, trust_env=False)  # noqa: E731
-    assert "maximum context length is 256" in error_message(post({"prompt": [7] * (MAX_MODEL_LEN + 1), "max_tokens": 1}))
+    too_long = {"prompt": [7] * (MAX_MODEL_LEN + 1), "max_tokens": 1}
+    assert "maximum context length is 256" in error_message(post(too_long))
     assert str(VOCAB) in error_message(post({"prompt": [5, VOCAB]}))
     chat = httpx.post(f"{base}/v1/chat/completions", json={"messages": "hi"}, timeout=60, trust_env=False)
     assert 400 <= chat.status_code < 500 and "messages" in error_message(chat)

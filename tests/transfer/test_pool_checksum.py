@@ -60,4 +60,5 @@ def test_replica_pool_and_l2_agree_on_the_checksum_of_chunks_with_page_tails():
             finally:
                 b.release(found.lease)
             for c in range(chunks):
-                assert np.array_equal(reference_chunk(layout, kv_b, targets[c]), reference_chunk(layout, kv_a, blocks[c]))
+                assert np.array_equal(reference_chunk(layout, kv_b, targets[c]),
+                                      reference_chunk(layout, kv_a, blocks[c]))

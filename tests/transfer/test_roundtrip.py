@@ -16,7 +16,8 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 @st.composite
 def cases(draw):
     layout = KVLayout(
-        num_layers=draw(st.integers(1, 4)), num_blocks=draw(st.integers(4, 24)), block_size=draw(st.sampled_from([1, 2, 4])),
+        num_layers=draw(st.integers(1, 4)), num_blocks=draw(st.integers(4, 24)),
+        block_size=draw(st.sampled_from([1, 2, 4])),
         num_kv_heads=draw(st.integers(1, 3)), head_size=draw(st.sampled_from([2, 4, 8])),
         dtype=draw(st.sampled_from(DTYPES)), kind=draw(st.sampled_from(list(KINDS))),
     )
@@ -52,7 +53,8 @@ def test_round_trip_is_byte_exact(arena, case):
         assert stored_sums[c] == checksum.checksum(with_zero_tails(expected, page_size, used))
         assert transfer.checksum(page_ids[c].tolist(), nbytes) == stored_sums[c]
 
-    before = {(l, b): block_bytes_of(layout, layers[l], b) for l in range(layout.num_layers) for b in range(layout.num_blocks)}
+    before = {(l, b): block_bytes_of(layout, layers[l], b)
+              for l in range(layout.num_layers) for b in range(layout.num_blocks)}
     loads = [[SKIP if (skip_first and i == 0) else b for i, b in enumerate(t)] for t in targets]
     loaded = transfer.load([LoadJob(page_ids[c].tolist(), loads[c]) for c in range(chunks)], checksums=True)
     loaded.wait()

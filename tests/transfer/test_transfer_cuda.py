@@ -86,14 +86,16 @@ def test_cuda_round_trip_every_kind(arena, kind, fused):
     page_ids = rng.permutation(64)[:12].reshape(3, 4).tolist()
     transfer.store([StoreJob(ids[c * 8 : (c + 1) * 8], page_ids[c]) for c in range(3)]).wait()
     for c in range(3):
-        assert np.array_equal(_stored(layout, pages, page_ids[c], 8), reference_chunk(layout, layers, ids[c * 8 : (c + 1) * 8]))
+        assert np.array_equal(_stored(layout, pages, page_ids[c], 8),
+                              reference_chunk(layout, layers, ids[c * 8 : (c + 1) * 8]))
     transfer.load([LoadJob(page_ids[c], ids[24 + c * 8 : 24 + (c + 1) * 8]) for c in range(3)])
     for c in range(3):  # no synchronize: the current stream is ordered after the load (I5)
         assert np.array_equal(reference_chunk(layout, layers, ids[24 + c * 8 : 24 + (c + 1) * 8]),
                               reference_chunk(layout, layers, ids[c * 8 : (c + 1) * 8]))
 
 
-@pytest.mark.parametrize("heads", [2, 3])  # 3 heads: 12 KiB blocks, 5 a page, so pages have tails and the last is partial
+# 3 heads: 12 KiB blocks, 5 a page, so pages have tails and the last is partial
+@pytest.mark.parametrize("heads", [2, 3])
 def test_device_checksums_equal_the_host_ones(arena, heads):
     layout = KVLayout(4, 64, 16, heads, 64, torch.bfloat16)
     layers = make_kv(layout, device="cuda")
