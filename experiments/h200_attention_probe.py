@@ -143,7 +143,8 @@ def layer_breakdown(c: ModelConfig, length: int, device: torch.device, dtype: to
 
 def prefix_hit_variants(c: ModelConfig, length: int, device: torch.device, dtype: torch.dtype,
                         start: int = 16) -> list[dict]:
-    """Attention of a (length - start)-token prompt after `start` cached tokens, the two ways the engine could run it."""
+    """Attention of a (length - start)-token prompt after `start` cached tokens, the two ways the engine could run
+    it."""
     block, t = 16, length - start
     gen = torch.Generator(device).manual_seed(0)
     cache = torch.randn((length + block - 1) // block, 2, block, c.num_kv_heads, c.head_dim, device=device,
@@ -225,19 +226,23 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     attention_rows = [row for n in lengths for row in attention_variants(config, n, device, dtype)] \
         if "attention" in parts else []
-    layers = [layer_breakdown(config, n, device, dtype, args.prefill_chunk) for n in lengths] if "layers" in parts else []
-    prefix = [row for n in lengths for row in prefix_hit_variants(config, n, device, dtype)] if "prefix" in parts else []
+    layers = [layer_breakdown(config, n, device, dtype, args.prefill_chunk) for n in lengths] \
+        if "layers" in parts else []
+    prefix = [row for n in lengths for row in prefix_hit_variants(config, n, device, dtype)] \
+        if "prefix" in parts else []
     rest = [row for n in lengths for row in rest_variants(config, n, device, dtype, args.prefill_chunk)] \
         if "rest" in parts else []
     print(f"{'tokens':>7} {'variant':<50} {'backend':>8} {'ms':>9} {'TFLOP/s':>8}")
     for r in attention_rows:
         ms = f"{r['seconds'] * 1e3:9.2f}" if r["seconds"] else "  refused"
         print(f"{r['length']:>7} {r['variant']:<50} {r['backend']:>8} {ms} {r.get('tflops', 0):8.0f}")
-    print(f"\n{'tokens':>7} {'layer ms':>9} {'attn ms':>8} {'attn TF/s':>9} {'rest ms':>8} {'rest TF/s':>9} {'x roofline':>10}")
+    print(f"\n{'tokens':>7} {'layer ms':>9} {'attn ms':>8} {'attn TF/s':>9} {'rest ms':>8} {'rest TF/s':>9} "
+          f"{'x roofline':>10}")
     for r in layers:
         print(f"{r['length']:>7} {r['layer_s'] * 1e3:9.1f} {r['attention_s'] * 1e3:8.1f} {r['attention_tflops']:9.0f} "
               f"{r['rest_s'] * 1e3:8.1f} {r['rest_tflops']:9.0f} {r['layer_x_roofline']:10.2f}")
-    print(f"\n{'tokens':>7} {'cached':>6} {'prefix-hit attention, one layer':<32} {'ms':>8} {'TFLOP/s':>8} {'x layers s':>10}")
+    print(f"\n{'tokens':>7} {'cached':>6} {'prefix-hit attention, one layer':<32} {'ms':>8} {'TFLOP/s':>8} "
+          f"{'x layers s':>10}")
     for r in prefix:
         print(f"{r['length']:>7} {r['start']:>6} {r['variant']:<32} {r['seconds'] * 1e3:8.2f} {r['tflops']:8.0f} "
               f"{r['model_seconds']:10.2f}")

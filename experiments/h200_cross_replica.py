@@ -103,7 +103,8 @@ def run_replica(role: str, pool: str, jobs: list[dict], ns) -> None:
     jobs_file = Path(tempfile.mkstemp(suffix=".json")[1])
     jobs_file.write_text(json.dumps(jobs))
     command = [sys.executable, __file__, "replica", "--role", role, "--pool", pool, "--jobs", str(jobs_file),
-               "--model", ns.model, "--rows", str(ns.rows), "--device", ns.device, "--max-model-len", str(ns.max_model_len)]
+               "--model", ns.model, "--rows", str(ns.rows), "--device", ns.device,
+               "--max-model-len", str(ns.max_model_len)]
     if ns.no_verify_checksums:
         command.append("--no-verify-checksums")
     subprocess.run(command, check=True, env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
@@ -170,7 +171,8 @@ def summarize(rows_path: Path, out: Path) -> None:
             continue
         key = (row["length"], "A (first, stores)" if row["role"] == "A" else f"B {row['arm']}")
         table.setdefault(key, []).append(row["ttft_s"])
-    summary = {f"{l}|{k}": dict(median=statistics.median(v), min=min(v), max=max(v), n=len(v)) for (l, k), v in table.items()}
+    summary = {f"{l}|{k}": dict(median=statistics.median(v), min=min(v), max=max(v), n=len(v))
+               for (l, k), v in table.items()}
     reg = [r for r in rows if r.get("regression") and r["role"] in ("B-off", "B-on")]
     if len(reg) == 2:
         a, b = (torch.load(rows_path.with_name(f"logits-regression-{role}.pt")) for role in ("B-off", "B-on"))
@@ -203,8 +205,10 @@ def report(rows_paths: list[Path], out: Path) -> None:
     rows = [r for r in rows if not r.get("regression") and r.get("ttft_s") is not None]
     groups: dict[tuple[int, str], list[float]] = {}
     for r in rows:
-        groups.setdefault((r["length"], {"A": "A (first, stores)", "B-off": "OFF", "B-on": "ON"}[r["role"]]), []).append(r["ttft_s"])
-    lines = ["| input tokens | arm | n | median TTFT s | min | max | blocks |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        arm = {"A": "A (first, stores)", "B-off": "OFF", "B-on": "ON"}[r["role"]]
+        groups.setdefault((r["length"], arm), []).append(r["ttft_s"])
+    lines = ["| input tokens | arm | n | median TTFT s | min | max | blocks |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for (length, arm), values in sorted(groups.items()):
         blocks = ",".join(sorted({r["block"] for r in rows if r["length"] == length and
                                   {"A": "A (first, stores)", "B-off": "OFF", "B-on": "ON"}[r["role"]] == arm}))

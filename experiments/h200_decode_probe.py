@@ -87,8 +87,8 @@ def measure(name: str, engine: Engine, prompt: tuple[int, ...], tokens: int) -> 
     median_ms = 1e3 * statistics.median(steps)
     print(f"{name}: median {median_ms:.1f} ms/token, store calls {1e3 * sum(calls):.1f} ms",
           flush=True)  # a partial result survives a cut run
-    return dict(condition=name, prompt_tokens=len(prompt), ttft_s=times[1] - times[0], decode_ms_median=median_ms, decode_ms_min=1e3 * min(steps),
-                decode_ms_max=1e3 * max(steps), decode_s_total=times[-1] - times[1],
+    return dict(condition=name, prompt_tokens=len(prompt), ttft_s=times[1] - times[0], decode_ms_median=median_ms,
+                decode_ms_min=1e3 * min(steps), decode_ms_max=1e3 * max(steps), decode_s_total=times[-1] - times[1],
                 store_s=(stats.store_seconds - stored_before) if stats else 0.0,
                 store_call_ms_max=1e3 * max(calls, default=0.0), store_call_ms_total=1e3 * sum(calls),
                 steps_ms=[round(1e3 * step, 2) for step in steps])

@@ -14,7 +14,8 @@ times each:
   at start, from the page cache and after dropping this checkpoint's pages (posix_fadvise DONTNEED).
 Also checks the claim behind the dummy identity: torch's CPU and CUDA generators draw other numbers for one seed.
 Prints a table (wall-clock median and minimum, and the process's CPU time, all threads: the work an arm adds even
-where other processes share the cores); writes identity_cost.json under --out. The checkpoint is deleted afterwards unless --keep.
+where other processes share the cores); writes identity_cost.json under --out. The checkpoint is deleted afterwards
+unless --keep.
 """
 
 from __future__ import annotations
@@ -205,8 +206,8 @@ def main() -> None:
     differ = generators_differ()
     print(f"CPU and CUDA generators, one seed: {'differ' if differ else 'equal' if differ is False else 'no CUDA'}")
     args.out.mkdir(parents=True, exist_ok=True)
-    record = dict(shape=shape, gbytes=arms[0].gbytes, shards=shards, device=str(device), dtype=str(dtype), repeats=args.repeats,
-                  torch=torch.__version__, cpu_count=os.cpu_count(), files_digest=digest,
+    record = dict(shape=shape, gbytes=arms[0].gbytes, shards=shards, device=str(device), dtype=str(dtype),
+                  repeats=args.repeats, torch=torch.__version__, cpu_count=os.cpu_count(), files_digest=digest,
                   cpu_cuda_generators_differ=differ,
                   arms=[dict(asdict(arm), median=arm.median, cpu_median=arm.cpu_median) for arm in arms])
     (args.out / "identity_cost.json").write_text(json.dumps(record, indent=2) + "\n")

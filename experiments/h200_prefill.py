@@ -100,9 +100,9 @@ def main() -> None:
         row["tflops"] = row["flops"] / row["ttft_s"] / 1e12
         row["roofline_s"] = row["flops"] / ROOFLINE
         row["x_roofline"] = row["ttft_s"] / row["roofline_s"] if row["roofline_s"] else None
-    result = dict(device=torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device, torch=torch.__version__, load_s=load_s,
-                  num_blocks=engine.num_blocks, block_size=engine.block_size, prefill_chunk=args.prefill_chunk,
-                  rows=rows)
+    result = dict(device=torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
+                  torch=torch.__version__, load_s=load_s, num_blocks=engine.num_blocks, block_size=engine.block_size,
+                  prefill_chunk=args.prefill_chunk, rows=rows)
     out.mkdir(parents=True, exist_ok=True)
     (out / "h200_prefill.json").write_text(json.dumps(result, indent=2))
     print(f"{result['device']}  torch {result['torch']}  load {load_s:.1f} s  KV blocks {engine.num_blocks}")

@@ -56,7 +56,8 @@ def main() -> None:
     model = str(make_model(args.preset, Path(tempfile.mkdtemp()) / args.preset))
     (a, _), (b, b_logits), (c, c_logits) = (engine_with_logits(model, args.device, args.dtype) for _ in range(3))
     vocab = a.model_config.vocab_size
-    prompt = tuple(torch.randint(3, vocab, (args.chunks * 256 + 1,), generator=torch.Generator().manual_seed(5)).tolist())
+    generator = torch.Generator().manual_seed(5)
+    prompt = tuple(torch.randint(3, vocab, (args.chunks * 256 + 1,), generator=generator).tolist())
     sampling = SamplingParams(max_tokens=16, ignore_eos=True)
     rows = {}
     with start_pool(args.pool_size, check_integrity=False) as (address, _):

@@ -125,7 +125,8 @@ def replica(args) -> None:
             out.write(json.dumps(row) + "\n")
             out.flush()
             print(f"  {args.role:>3} {arm:>10} {job['length']:>7}: TTFT {row['ttft_s'] or float('nan'):.3f} s, "
-                  f"load {row['load_s']:.3f} s, pool hit {row['pool_hit']}, failures {row['load_failures']}", flush=True)
+                  f"load {row['load_s']:.3f} s, pool hit {row['pool_hit']}, failures {row['load_failures']}",
+                  flush=True)
     engine.connector.close()
     engine.shutdown()
 

@@ -30,7 +30,8 @@ def cross_rows(paths: list[Path]) -> list[dict]:
         for length in json.loads(path.read_text())["cross_replica"]["lengths"]:
             c = length["comparison"]
             study = STUDY_TTFT.get("256k" if length["tokens"] > 200_000 else length["label"])  # 255k is the 256k row
-            label = f"{round(length['tokens'] / 1024)}k" if length["label"].isdigit() else length["label"]  # 261120: 255k
+            # 261120: 255k
+            label = f"{round(length['tokens'] / 1024)}k" if length["label"].isdigit() else length["label"]
             rows.append(dict(label=label, off=c["off"]["median"], on=c["on"]["median"], n_off=c["off"]["n"],
                              n_on=c["on"]["n"], study=study))
     return rows
