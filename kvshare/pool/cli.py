@@ -37,9 +37,9 @@ def register(cli) -> None:
                        "down to (default 0.90)")
     serve.add_argument("--group", default="", help="group that owns the socket and arena (mode 0660): the users "
                        "replicas run as must be in it (default: the pool user's primary group)")
-    serve.add_argument("--max-leased-pages-per-client", type=int, default=-1, metavar="PAGES", help="pages one "
+    serve.add_argument("--max-leased-pages-per-client", type=int, default=None, metavar="PAGES", help="pages one "
                        "connection may hold under leases at once; beyond it LOOKUP returns a shorter prefix and "
-                       "RESERVE answers lease_limit (default -1: half the arena; 0: no limit)")
+                       "RESERVE answers lease_limit (default: half the arena; 0: no limit)")
     limits = serve.add_argument_group("limits (one client cannot hurt the others; docs/security.md)")
     d = PoolConfig.__dataclass_fields__  # the defaults live in PoolConfig; help shows them
     limits.add_argument("--max-frame", default=format_size(d["max_frame"].default), help="largest request frame; a "

@@ -39,9 +39,9 @@ class PoolConfig:
     max_description: int = 1024  # bytes of a HELLO description
     max_namespaces: int = 1024  # namespaces in use (by a connection or a chunk); unused ones are reclaimed
     check_integrity: bool = False  # debug: run check_integrity() after every request that changes state
-    prepare_threads: int = 0  # 0 -> min(os.cpu_count(), 16)
+    prepare_threads: int | None = None  # None: min(os.cpu_count(), 16)
     l2: L2Config | None = None  # --l2 and the --l2-* flags; None: no L2 tier
-    max_leased_pages_per_client: int = -1  # -1 -> half the arena; 0 -> no limit
+    max_leased_pages_per_client: int | None = None  # None: half the arena; 0: no limit
     group: str = ""  # group that owns the socket and arena (both mode 0660); "" -> the user's primary group
 
     def __post_init__(self):
@@ -57,9 +57,9 @@ class PoolConfig:
             raise ValueError(f"lease timeout must be positive, got {self.lease_timeout}")
         if self.hugetlb and self.page_size % (2 * MiB):
             raise ValueError(f"--hugetlb needs a page size that is a multiple of 2MiB, got {self.page_size}")
-        if self.max_leased_pages_per_client < -1:
-            raise ValueError("--max-leased-pages-per-client must be -1 (half the arena), 0 (no limit) or a page count, "
-                             f"got {self.max_leased_pages_per_client}")
+        if self.max_leased_pages_per_client is not None and self.max_leased_pages_per_client < 0:
+            raise ValueError("--max-leased-pages-per-client must be a page count (0: no limit; default: half the "
+                             f"arena), got {self.max_leased_pages_per_client}")
         for name in ("max_frame", "max_buffered", "max_connections", "max_auth_frame", "max_keys", "max_description",
                      "max_namespaces"):
             if getattr(self, name) <= 0:
@@ -80,7 +80,7 @@ class PoolConfig:
     @property
     def lease_limit(self) -> int:
         """Pages one client connection may hold under leases at once (0: unlimited)."""
-        if self.max_leased_pages_per_client == -1:
+        if self.max_leased_pages_per_client is None:
             return max(1, self.num_pages // 2)
         return self.max_leased_pages_per_client
 

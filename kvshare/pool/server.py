@@ -21,7 +21,7 @@ import signal
 import socket
 import stat
 import time
-from typing import Awaitable
+from typing import TYPE_CHECKING, Awaitable
 
 import msgspec
 
@@ -31,12 +31,35 @@ from kvshare.pool.config import PoolConfig
 from kvshare.pool.connection import ClientProtocol, CloseConnection, Connection, FrameBudget
 from kvshare.pool.holders import ProcessWatch, peer_pid
 from kvshare.pool.state import IntegrityError, PoolState, RequestError
-from kvshare.pool.stats import LatencyRecorder
+from kvshare.pool.stats import LatencyRecorder, PoolStats
 from kvshare.units import format_size
+
+if TYPE_CHECKING:
+    from kvshare.pool.l2.tier import L2Tier
 
 log = logging.getLogger(__name__)
 EXPIRY_PERIOD = 0.25  # seconds between lease-expiry sweeps (a lease may outlive its timeout by this much)
 MUTATING = (p.Hello, p.Lookup, p.Reserve, p.Commit, p.Release, p.Discard, p.Clear)
+
+
+class NoL2:
+    """The tier a pool without --l2 has: LOOKUP answers from L1 at once, nothing is written behind."""
+
+    def __init__(self, state: PoolState) -> None:
+        self.state = state
+
+    def lookup(self, client: int, namespace: bytes, keys: list[bytes], tokens: memoryview,
+               lengths: list[int]) -> p.LookupReply:
+        return self.state.lookup_joined(client, namespace, keys, tokens, lengths)
+
+    def after_commit(self, entries: list) -> None:
+        pass
+
+    def fill(self, stats: PoolStats) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class PoolServer:
@@ -57,7 +80,7 @@ class PoolServer:
         self.watches: dict[int, ProcessWatch] = {}  # connection id -> its process, while it is open or holds leases
         self.budget = FrameBudget(config.max_buffered)
         self._stop = asyncio.Event()
-        self.l2 = None  # the L2Tier (kvshare.pool.l2), started in run() when config.l2 is set
+        self.l2: L2Tier | NoL2 = NoL2(self.state)  # the L2Tier (kvshare.pool.l2) once run() starts it with --l2
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -85,8 +108,7 @@ class PoolServer:
             announce(f"L2 {self.config.l2.url} ({'cluster' if self.config.l2.cluster else 'standalone'})")
         await self._stop.wait()
         expiry.cancel()
-        if self.l2 is not None:
-            self.l2.close()
+        self.l2.close()
         for server in servers:
             server.close()
         announce("shutting down")
@@ -170,11 +192,6 @@ class PoolServer:
         self.latency.record(kind, time.perf_counter() - started, isinstance(reply, p.Error))
         return reply
 
-    async def _handle(self, conn: Connection, body: bytes) -> p.Reply:
-        """handle() awaited to its reply, for drivers without a connection (tests/reliability/pool_harness.py)."""
-        reply = self.handle(conn, body)
-        return reply if isinstance(reply, p.Reply) else await reply
-
     async def _finish(self, request: p.Request, kind: str, pending: Awaitable[p.Reply], started: float) -> p.Reply:
         try:
             reply = await pending
@@ -228,15 +245,12 @@ class PoolServer:
                     request.check_lengths()
                 except ValueError as error:
                     raise RequestError(p.ErrorCode.BAD_REQUEST, f"LOOKUP: {error}") from None
-                if self.l2 is not None:  # awaited by handle(); a copy of the tokens: the wait outlives the frame
-                    return self.l2.lookup(conn.id, namespace, keys, bytes(tokens), lengths)
-                return s.lookup_joined(conn.id, namespace, keys, tokens, lengths)
+                return self.l2.lookup(conn.id, namespace, keys, tokens, lengths)
             case p.Reserve(namespace, chunks, evict):
                 return s.reserve(conn.id, namespace, chunks, evict)
             case p.Commit(lease, checksums):
                 entries = s.commit(conn.id, lease, checksums)
-                if self.l2 is not None:
-                    self.l2.after_commit(entries)  # write-behind: enqueue only, never waits for L2
+                self.l2.after_commit(entries)  # write-behind: enqueue only, never waits for L2
                 return p.Ok()
             case p.Release(lease):
                 s.release(conn.id, lease)
@@ -257,8 +271,7 @@ class PoolServer:
         stats = self.state.stats()
         stats.clients = self.clients
         stats.buffered_bytes, stats.frames_waiting = self.budget.used, self.budget.waiting
-        if self.l2 is not None:
-            self.l2.fill(stats)
+        self.l2.fill(stats)
         stats.uptime_s = time.monotonic() - self.started
         stats.requests = self.latency.snapshot()
         return stats

@@ -163,9 +163,6 @@ class CacheAware(Policy):
             self.memory[replica.index] = PrefixMemory(self.config.prefix_keys_per_replica)
         return self.memory[replica.index]
 
-    def remembered_keys(self) -> dict[int, int]:
-        return {index: len(memory) for index, memory in self.memory.items()}
-
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (RoundRobin, Alternate, Fixed, LeastLoaded, CacheAware)}
 

@@ -112,13 +112,10 @@ def make_transfer(
     kv_caches: Sequence[torch.Tensor],
     pages: torch.Tensor,
     *,
-    ordering: Ordering = "stream",
     options: TransferOptions | None = None,
 ) -> Transfer:
     """The transfer path for the device the KV tensors live on. Raises LayoutMismatch/ValueError on bad input."""
-    options = options or TransferOptions(ordering=ordering)
-    if options.ordering != ordering and ordering != "stream":
-        raise ValueError("give the ordering either as ordering= or inside options=, not both")
+    options = options or TransferOptions()
     space = build_block_space(layout, kv_caches)
     if space.device.type == "cpu":
         from kvshare.transfer.cpu import CpuTransfer

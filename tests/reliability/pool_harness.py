@@ -38,13 +38,18 @@ class Harness:
     def handle(self, body: bytes, client: int = 0) -> p.Reply:
         """One frame's body through the server's handler; raises if the reply is an internal error or the pool's
         bookkeeping is inconsistent afterwards."""
-        reply = self.loop.run_until_complete(self.server._handle(self.connections[client % 2], body))
+        reply = self.loop.run_until_complete(self._handle(self.connections[client % 2], body))
         assert isinstance(reply, p.Reply), reply
         if isinstance(reply, p.Error):
             assert reply.code not in BAD_CODES, reply.message
             assert reply.message  # every error says what was wrong
         self.server.state.check_integrity()
         return reply
+
+    async def _handle(self, conn: Connection, body: bytes) -> p.Reply:
+        """The server's handler awaited to its reply (a LOOKUP may return a coroutine), without a connection."""
+        reply = self.server.handle(conn, body)
+        return reply if isinstance(reply, p.Reply) else await reply
 
     def drop(self, client: int) -> None:
         self.server.state.drop_client(self.connections[client % 2].id)

@@ -27,8 +27,9 @@ class HeldL2:
     def __init__(self, state) -> None:
         self.state, self.release = state, asyncio.Event()
 
-    async def lookup(self, client: int, namespace: bytes, keys: list[bytes], blob: bytes,
+    async def lookup(self, client: int, namespace: bytes, keys: list[bytes], blob: bytes | memoryview,
                      lengths: list[int]) -> p.LookupReply:
+        blob = bytes(blob)  # as the real tier: the answer outlives the frame it came in
         await self.release.wait()
         return self.state.lookup_joined(client, namespace, keys, blob, lengths)
 
