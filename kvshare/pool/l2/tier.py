@@ -29,7 +29,6 @@ from kvshare.pool.l2.promoter import Promoter
 from kvshare.pool.l2.store import RedisStore
 from kvshare.pool.l2.striped import StripedPromoter
 from kvshare.pool.l2.writer import Job, WriteBehind
-from kvshare.pool.leases import READ
 from kvshare.pool.protocol import LookupReply
 from kvshare.pool.state import PoolState
 
@@ -109,13 +108,14 @@ class L2Tier:
 
     # ---- lookup ------------------------------------------------------------------------------------------------
 
-    async def lookup(self, client: int, namespace: bytes, keys: list[bytes], blob: bytes,
+    async def lookup(self, client: int, namespace: bytes, keys: list[bytes], blob: bytes | memoryview,
                      lengths: list[int]) -> LookupReply:
         """LOOKUP with promotion: if L1's prefix ends early, wait (bounded) for L2's next chunks to be promoted.
 
-        `blob` holds every chunk's token bytes back to back (`lengths` each, checked by the caller): bytes of its
-        own, not a view of the receive buffer, since the answer is awaited and a promotion keeps slices of it in the
-        index. One copy per LOOKUP (it was three: per-chunk slices, a join for L1's check, a join in PoolState)."""
+        `blob` holds every chunk's token bytes back to back (`lengths` each, checked by the caller); it is copied
+        first (the answer is awaited, and a promotion keeps slices of it in the index). One copy per LOOKUP (it was
+        three: per-chunk slices, a join for L1's check, a join in PoolState)."""
+        blob = bytes(blob)  # the server passes its receive buffer's view; this answer outlives the frame
         n = self._l1_prefix(namespace, keys, blob, lengths)
         if n is not None and n < len(keys) and self.store.breaker.may_try():
             pin = self._pin(keys[:n]) if n else 0  # keep the L1 prefix while promotion reserves (and may evict)
