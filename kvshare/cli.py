@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "kvshare.router.cli",  # kvshare route
     "kvshare.bench.cli",  # kvshare bench cross-replica|sessions|pool|transfer|router-overhead, kvshare demo
     "kvshare.validate.cli",  # kvshare validate transfer|service|soak|hostile
+    "kvshare.advise.cli",  # kvshare advise
 )
 GROUPS = {
     "pool": "the shared host-memory KV pool",
