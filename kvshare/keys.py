@@ -7,7 +7,10 @@ Invariants:
 - chunk_key(i) = H(chunk_key(i-1) or namespace key, token ids of chunk i as little-endian uint32), so equal keys
   mean equal namespaces and equal whole prefixes (up to a 128-bit collision, which the pool rules out by comparing
   the stored tokens on every hit).
-- Only full chunks get keys: a prompt of n tokens has n // chunk_tokens keys.
+- A prompt is stored and looked up as its full chunks and at most one partial tail (whole engine blocks past the
+  last full chunk): n // chunk_tokens + 1 keys at most. A tail's key is tagged apart and carries its token count, so
+  it is never computed as a full chunk's key is, and the pool compares the stored tokens (of another length) on
+  every hit: a tail never answers for a full chunk, nor for a tail of another length.
 - Tools' namespaces and keys are tagged apart from model namespaces, so they can never equal a replica's.
 """
 
@@ -71,6 +74,57 @@ def chunk_keys(namespace_key: bytes, token_ids: Sequence[int] | np.ndarray, chun
         parent = xxhash.xxh3_128_digest(parent + data[start : start + step])
         keys.append(parent)
     return keys
+
+
+_TAIL_TAG = b"kvshare/tail/v1\0"
+
+
+def tail_key(parent: bytes, tail_tokens: bytes) -> bytes:
+    """The key of a partial last chunk: xxh3-128(tag || parent key || token count || token ids as uint32)."""
+    return xxhash.xxh3_128_digest(_TAIL_TAG + parent + (len(tail_tokens) // 4).to_bytes(4, "little") + tail_tokens)
+
+
+@dataclass(frozen=True)
+class PromptChunks:
+    """A prompt's chunks in prefix order: chunk i covers tokens [i * chunk_tokens, i * chunk_tokens + counts[i]).
+    Every count is chunk_tokens except perhaps the last (the tail), a whole number of blocks below chunk_tokens."""
+
+    chunk_tokens: int
+    keys: list[bytes]
+    parents: list[bytes]  # keys[i - 1], the namespace key for i = 0
+    tokens: list[bytes]  # each chunk's token ids as little-endian uint32: what the pool stores and compares
+    counts: list[int]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def end(self, n: int | None = None) -> int:
+        """Tokens covered by the first n chunks (all of them by default)."""
+        n = len(self.keys) if n is None else n
+        return (n - 1) * self.chunk_tokens + self.counts[n - 1] if n else 0
+
+    def first(self, n: int) -> PromptChunks:
+        """The first n chunks."""
+        return PromptChunks(self.chunk_tokens, self.keys[:n], self.parents[:n], self.tokens[:n], self.counts[:n])
+
+
+def prompt_chunks(namespace_key: bytes, token_ids: Sequence[int] | np.ndarray, chunk_tokens: int,
+                  tail_block_tokens: int = 0) -> PromptChunks:
+    """The full chunks of `token_ids` and, when tail_block_tokens (the engine's block size) is given, a tail of the
+    whole blocks after them, if there is one: what a prompt is stored and looked up as (see the module docstring)."""
+    keys = chunk_keys(namespace_key, token_ids, chunk_tokens)
+    full = len(keys) * chunk_tokens
+    tail = (len(token_ids) - full) // tail_block_tokens * tail_block_tokens if tail_block_tokens else 0
+    data = token_bytes(token_ids[: full + tail])
+    step = 4 * chunk_tokens
+    tokens = [data[i * step : (i + 1) * step] for i in range(len(keys))]
+    parents = [namespace_key, *keys]
+    counts = [chunk_tokens] * len(keys)
+    if tail:
+        tokens.append(data[full * 4 :])
+        keys.append(tail_key(parents[-1], tokens[-1]))
+        counts.append(tail)
+    return PromptChunks(chunk_tokens, keys, parents[: len(keys)], tokens, counts)
 
 
 def fingerprint(*parts: bytes | str) -> str:

@@ -27,8 +27,9 @@ class KVConnector(Protocol):
     stats: ConnectorStats
 
     def lookup(self, request_id: str, token_ids: Sequence[int], num_computed: int, salt: str = "") -> int:
-        """Tokens beyond `num_computed` (a multiple of chunk_tokens, full chunks only) that the pool holds, under a
-        read lease kept for this request until load() or release()."""
+        """Tokens beyond `num_computed` that the pool holds of `token_ids` (the request's tokens, its last included),
+        under a read lease kept for this request until load() or release(). The engine accepts an answer only if it
+        leaves the last token to compute; kvshare's connector answers up to a block boundary before it."""
 
     def load(self, request_id: str, block_ids: Sequence[int], num_computed: int, num_tokens: int) -> bool:
         """Load tokens [num_computed, num_computed + num_tokens) into `block_ids` (the request's whole block table).
@@ -39,10 +40,12 @@ class KVConnector(Protocol):
         """Drop any lease still held for the request (e.g. it was aborted before load)."""
 
     def store(
-        self, request_id: str, token_ids: Sequence[int], block_ids: Sequence[int], num_stored: int, salt: str = ""
+        self, request_id: str, token_ids: Sequence[int], block_ids: Sequence[int], num_stored: int, salt: str = "",
+        tail: bool = False,
     ) -> StoreHandle | None:
         """Store the full chunks of `token_ids` beyond the first `num_stored` tokens (already stored) from
-        `block_ids`. Ordered after all work already queued on the current stream (I4)."""
+        `block_ids`, and with `tail` (the prompt's own store) the whole blocks after them as one partial chunk.
+        Ordered after all work already queued on the current stream (I4)."""
 
 
 @dataclass

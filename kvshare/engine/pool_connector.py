@@ -36,7 +36,7 @@ class PoolConnector:
         if config.chunk_tokens % engine.block_size:
             raise ValueError(
                 f"--chunk-tokens {config.chunk_tokens} must be a multiple of the block size {engine.block_size}")
-        core = ConnectorCore(config, namespace)
+        core = ConnectorCore(config, namespace, block_tokens=engine.block_size)
         core.attach(layout, engine.kv_caches)
         return cls(core)
 
@@ -46,7 +46,7 @@ class PoolConnector:
             return 0
         with self._lock:
             self._hits[request_id] = hit
-        return (hit.first_chunk + hit.num_chunks) * self.chunk_tokens - num_computed
+        return hit.end - num_computed
 
     def load(self, request_id: str, block_ids: Sequence[int], num_computed: int, num_tokens: int) -> bool:
         with self._lock:
@@ -61,8 +61,9 @@ class PoolConnector:
         if hit is not None:
             self.core.release_hit(hit)
 
-    def store(self, request_id, token_ids, block_ids, num_stored, salt: str = "") -> StoreHandle | None:
-        return self.core.store(token_ids, block_ids, num_stored, salt)
+    def store(self, request_id, token_ids, block_ids, num_stored, salt: str = "",
+              tail: bool = False) -> StoreHandle | None:
+        return self.core.store(token_ids, block_ids, num_stored, salt, tail)
 
     def close(self) -> None:
         self.core.close()

@@ -32,10 +32,10 @@ class PoolHooks:
             return default
 
     def load_prefix(self, seq: Sequence) -> None:
-        """After allocation: load the pool's cached chunks beyond seq.num_computed into seq's blocks, if any."""
-        known = seq.token_ids[: seq.num_tokens - 1]  # at least one token is always computed, for its logits
-        n = self._guard("lookup", lambda: self.connector.lookup(seq.request_id, known, seq.num_computed, seq.salt), 0)
-        if not n or n < 0 or seq.num_computed + n > len(known):
+        """After allocation: load what the pool holds beyond seq.num_computed into seq's blocks, if any."""
+        tokens = seq.token_ids[: seq.num_tokens]
+        n = self._guard("lookup", lambda: self.connector.lookup(seq.request_id, tokens, seq.num_computed, seq.salt), 0)
+        if not n or n < 0 or seq.num_computed + n >= len(tokens):  # the last token is always computed, for its logits
             if n:
                 self._guard("release", lambda: self.connector.release(seq.request_id), None)
             return
@@ -47,16 +47,19 @@ class PoolHooks:
             seq.num_stored = max(seq.num_stored, seq.num_computed)
 
     def store(self, seq: Sequence, num_tokens: int) -> None:
-        """Store the full chunks of seq's first num_tokens tokens (whose K/V exists) not yet in the pool."""
-        chunk = self.connector.chunk_tokens
-        if (num_tokens // chunk) * chunk <= seq.num_stored:
+        """Store the chunks of seq's first num_tokens tokens (whose K/V exists) not yet in the pool: the full chunks,
+        and for the prompt's own store (num_tokens within the prompt) the whole blocks after them as its one tail."""
+        chunk, block = self.connector.chunk_tokens, self.block_manager.block_size
+        tail = num_tokens <= seq.num_prompt_tokens
+        end = num_tokens // block * block if tail else num_tokens // chunk * chunk
+        if end <= seq.num_stored:
             return
         tokens, blocks = seq.token_ids[:num_tokens], list(seq.block_table)
         handle = self._guard("store", lambda: self.connector.store(seq.request_id, tokens, blocks, seq.num_stored,
-                                                                   seq.salt), None)
+                                                                   seq.salt, tail), None)
         if handle is None:
             return
-        seq.num_stored = (num_tokens // chunk) * chunk
+        seq.num_stored = end
         held = list(handle.block_ids) or blocks
         if not self._guard("store", handle.done, False):
             self.block_manager.hold(held)

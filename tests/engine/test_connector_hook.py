@@ -57,7 +57,7 @@ class DictConnector:
     def release(self, request_id):
         self.leases.pop(request_id, None)
 
-    def store(self, request_id, token_ids, block_ids, num_stored, salt=""):
+    def store(self, request_id, token_ids, block_ids, num_stored, salt="", tail=False):  # full chunks only
         keys = chunk_keys(self.namespace, token_ids, self.chunk_tokens)
         for c in range(num_stored // self.chunk_tokens, len(keys)):
             if keys[c] not in self.store_dict:
@@ -150,7 +150,7 @@ def test_failing_connector_changes_nothing(make_engine):
 class UnconfirmableConnector(RecordingDictConnector):
     """A store whose completion cannot be confirmed: its handle's done() raises (a connector bug)."""
 
-    def store(self, request_id, token_ids, block_ids, num_stored, salt=""):
+    def store(self, request_id, token_ids, block_ids, num_stored, salt="", tail=False):
         super().store(request_id, token_ids, block_ids, num_stored, salt)
 
         def done() -> bool:
@@ -182,7 +182,7 @@ class GatedConnector(RecordingDictConnector):
         self.gate = threading.Event()
         self.handles = []
 
-    def store(self, request_id, token_ids, block_ids, num_stored, salt=""):
+    def store(self, request_id, token_ids, block_ids, num_stored, salt="", tail=False):
         super().store(request_id, token_ids, block_ids, num_stored, salt)
         handle = StoreHandle(is_done=self.gate.is_set, block_ids=tuple(block_ids))
         self.handles.append(handle)

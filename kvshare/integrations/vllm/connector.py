@@ -41,7 +41,7 @@ class KVShareConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         config = cfg.connector_config(vllm_config)
         layout = cfg.expected_layout(vllm_config, kv_cache_config)
-        core = ConnectorCore(config, cfg.namespace(vllm_config, layout, config.chunk_tokens))
+        core = ConnectorCore(config, cfg.namespace(vllm_config, layout, config.chunk_tokens), layout.block_size)
         self.core = core
         self._scheduler = SchedulerSide(core, layout.block_size) if role == KVConnectorRole.SCHEDULER else None
         self._worker = WorkerSide(core, layout) if role == KVConnectorRole.WORKER else None

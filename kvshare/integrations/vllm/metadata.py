@@ -27,15 +27,17 @@ class LoadSpec(msgspec.Struct, frozen=True):
 
 
 class StoreSpec(msgspec.Struct, frozen=True):
-    """Store the full chunks of `token_ids` past the first `num_stored` tokens from `block_ids`.
+    """Store the chunks of `token_ids` past the first `num_stored` tokens from `block_ids`: its full chunks and,
+    with `tail` (the prompt's own store), the whole blocks after them as one partial chunk.
 
     Sent in the step whose forward computes the last of those tokens (or later), and run after that forward."""
 
     req_id: str
-    token_ids: list[int]  # a whole number of chunks
+    token_ids: list[int]  # whole chunks, or with `tail` whole blocks
     block_ids: list[int]  # covering token_ids
-    num_stored: int  # chunk-aligned: chunks below were sent to the worker in an earlier step
+    num_stored: int  # tokens sent to the worker in earlier steps (a chunk or, after the prompt's tail, a block edge)
     salt: str = ""
+    tail: bool = False
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """The connector's scheduler half: reports pool hits to vLLM's scheduler and plans each step's loads and stores.
 
 Invariants:
-- Reported external tokens are whole chunks the pool holds *now*, under a read lease, beyond vLLM's own prefix
-  hit, and never the last prompt token (vLLM must compute >= 1 token to sample).
+- Reported external tokens are whole blocks the pool holds *now* (full chunks, a tail, or a stored chunk's first
+  blocks), under a read lease, beyond vLLM's own prefix hit, and never the last token (vLLM must compute >= 1 token
+  to sample).
 - Every lease taken ends exactly once: when the request is re-queried, when vLLM allocates nothing for it, when
   it finishes unscheduled, or when the worker reports the load over (the lease belongs to this process's pool
   connection, so only this half can end it).
@@ -42,17 +43,19 @@ class SchedulerSide:
         self._requests: dict[str, Request] = {}
         self._stored: dict[str, int] = {}  # tokens whose chunks were sent for storing
         self._store_sent: set[str] = set()
+        self._prompt_stored: set[str] = set()  # requests whose prompt store (with its tail) was sent
 
     # ---- lookups -------------------------------------------------------------------------------------------
     def matched(self, request: Request, num_computed: int) -> int:
         rid = request.request_id
         self._end(self._found.pop(rid, None))  # a re-query replaces the earlier answer (and its lease)
         self._requests[rid] = request
-        usable = list(request.all_token_ids[: request.num_tokens - 1])  # leave >= 1 token to compute
-        hit = self.core.find(usable, num_computed, salt=request.cache_salt or "")
+        # find() answers whole blocks before the last token, which vLLM must compute to sample.
+        tokens = list(request.all_token_ids[: request.num_tokens])
+        hit = self.core.find(tokens, num_computed, salt=request.cache_salt or "")
         if hit is None:
             return 0
-        offered = (hit.first_chunk + hit.num_chunks) * self.chunk - num_computed
+        offered = hit.end - num_computed
         self._found[rid] = _Hit(hit, num_computed, offered)
         return offered
 
@@ -92,7 +95,14 @@ class SchedulerSide:
         # num_computed_tokens is not yet advanced for this step: after its forward, KV exists up to `computed`.
         # With async scheduling the newest token may not be known yet, hence the clamp to all_token_ids.
         computed = min(request.num_computed_tokens + scheduled, request.num_tokens)
-        storable = computed // self.chunk * self.chunk
+        # Once the prompt is computed, its own store: full chunks and the whole blocks after them (its one tail, what
+        # another replica given the same prompt looks up). Then the full chunks that generated tokens complete.
+        tail = computed >= request.num_prompt_tokens and rid not in self._prompt_stored
+        if tail:
+            self._prompt_stored.add(rid)
+            storable = request.num_prompt_tokens // self.block_size * self.block_size
+        else:
+            storable = computed // self.chunk * self.chunk
         stored = self._stored.get(rid, 0)
         if storable <= stored:
             return None
@@ -100,7 +110,7 @@ class SchedulerSide:
         self._store_sent.add(rid)
         blocks = list(kv_cache_manager.get_block_ids(rid)[0][: storable // self.block_size])
         tokens = list(request.all_token_ids[:storable])
-        return StoreSpec(rid, tokens, blocks, stored, request.cache_salt or "")
+        return StoreSpec(rid, tokens, blocks, stored, request.cache_salt or "", tail)
 
     # ---- end of a request ----------------------------------------------------------------------------------
     def finished(self, request: Request) -> bool:
@@ -110,6 +120,7 @@ class SchedulerSide:
         self._end(self._to_load.pop(rid, None))  # finished (aborted) before its load was sent
         self._requests.pop(rid, None)
         self._stored.pop(rid, None)
+        self._prompt_stored.discard(rid)
         delay = rid in self._store_sent
         self._store_sent.discard(rid)
         return delay

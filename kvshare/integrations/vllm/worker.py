@@ -55,17 +55,17 @@ class WorkerSide:
             self._loaded.append(spec.req_id)
 
     def _load_one(self, spec: LoadSpec) -> bool:
-        hit, chunk = spec.hit, self.core.chunk_tokens
-        if (hit.first_chunk + hit.num_chunks) * chunk - spec.num_computed != spec.num_tokens:
-            log.warning("vLLM accepted %d external tokens of a %d-chunk pool hit; recomputing them",
-                        spec.num_tokens, hit.num_chunks)
+        hit = spec.hit
+        if hit.end - spec.num_computed != spec.num_tokens:
+            log.warning("vLLM accepted %d external tokens of a %d-token pool hit; recomputing them",
+                        spec.num_tokens, hit.end - spec.num_computed)
             return False
         # release=False: the read lease is the scheduler process's; it ends it when this step's output arrives.
         return self.core.load(hit, spec.block_ids, spec.num_computed, release=False)
 
     def save(self, meta: KVShareMetadata) -> None:
         for spec in meta.stores:
-            handle = self.core.store(spec.token_ids, spec.block_ids, spec.num_stored, spec.salt)
+            handle = self.core.store(spec.token_ids, spec.block_ids, spec.num_stored, spec.salt, spec.tail)
             # Tracked even when the store was skipped (None): the scheduler half delays every request it sent.
             self._stores.setdefault(spec.req_id, []).extend([handle] if handle is not None else [])
 
