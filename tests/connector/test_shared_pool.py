@@ -14,7 +14,6 @@ from kvshare.engine.api import GenerationRequest, SamplingParams
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.engine import Engine, generate
 from kvshare.engine.pool_connector import PoolConnector
-from kvshare.engine.testing import make_tiny_model
 from kvshare.pool.testing import start_pool
 from kvshare.transfer import KVLayout, arena_pages
 
@@ -22,15 +21,10 @@ CHUNK = 32
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("connector"))
-
-
 @pytest.fixture
-def engines(model_dir):
+def engines(tiny_model):
     """Three engines: a cache-OFF reference and two whose connectors are attached per test."""
-    made = [Engine(EngineConfig(model=str(model_dir), max_model_len=512, num_blocks=128)) for _ in range(3)]
+    made = [Engine(EngineConfig(model=str(tiny_model), max_model_len=512, num_blocks=128)) for _ in range(3)]
     yield made
     for engine in made:
         if engine.connector is not None:

@@ -1,15 +1,9 @@
-"""Shared fixtures: one tiny generated model per test session, and engines that are always shut down."""
+"""Fixtures for the engine tests: engines on the session's tiny model (tests/conftest.py), always shut down."""
 
 import pytest
 
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.engine import Engine
-from kvshare.engine.testing import make_tiny_model
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture

@@ -12,16 +12,10 @@ import time
 import httpx
 import pytest
 
-from kvshare.engine.testing import make_tiny_model
 from kvshare.hf.tokenizer import Tokenizer
 from kvshare.processes import free_port
 
 MAX_MODEL_LEN = 256
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("server-live"))
 
 
 @contextlib.contextmanager
@@ -56,14 +50,14 @@ def replica(model_dir, *extra: str):
 
 
 @pytest.fixture(scope="module")
-def url(model_dir):
-    with replica(model_dir) as base:
+def url(tiny_model):
+    with replica(tiny_model) as base:
         yield base
 
 
 @pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return Tokenizer.from_dir(model_dir)
+def tokenizer(tiny_model):
+    return Tokenizer.from_dir(tiny_model)
 
 
 def post(url: str, path: str, **body) -> httpx.Response:
@@ -165,14 +159,14 @@ def test_metrics_count_requests_and_ttft(url):
 
 
 @pytest.mark.slow  # a pool and two replica processes: ~30 s on 2 cores, mostly start-up
-def test_pool_hits_reach_usage_and_metrics_across_replicas(model_dir, tokenizer):
+def test_pool_hits_reach_usage_and_metrics_across_replicas(tiny_model, tokenizer):
     """A prompt served by replica A is stored in the pool; replica B then reports pool hits in usage and pool loads
     on /metrics, and A's /metrics shows the stores."""
     from kvshare.pool.testing import start_pool
 
     prompt = tokenizer.encode("Shared context for two replicas, long enough for several full chunks. " * 6)[:100]
-    with start_pool("64MiB") as (address, _), replica(model_dir, "--pool", address, "--chunk-tokens", "32") as a, \
-            replica(model_dir, "--pool", address, "--chunk-tokens", "32") as b:
+    with start_pool("64MiB") as (address, _), replica(tiny_model, "--pool", address, "--chunk-tokens", "32") as a, \
+            replica(tiny_model, "--pool", address, "--chunk-tokens", "32") as b:
         first = post(a, "/v1/completions", prompt=prompt, max_tokens=2).json()
         assert first["usage"]["kvshare"]["pool_hit_tokens"] == 0
         deadline = time.monotonic() + 30  # stores complete after the response: wait for them, boundedly

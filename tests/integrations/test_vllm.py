@@ -136,17 +136,14 @@ class Deployment:
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    from kvshare.engine.make_model import make_model
-
+def deployment(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("vllm")
-    model = make_model("tiny", tmp / "model")
     arena = f"/dev/shm/kvshare-test-vllm-{os.getpid()}.arena"
     with start_pool("512MiB", arena=arena) as (address, pool_process):
         replicas = []
         try:
             for name, pool in (("A", address), ("B", address), ("C", None)):
-                replicas.append(Replica(name, model, tmp, pool))
+                replicas.append(Replica(name, tiny_model, tmp, pool))
             deadline = time.monotonic() + START_TIMEOUT_S
             for replica in replicas:
                 replica.wait_ready(deadline)

@@ -46,22 +46,19 @@ class Harness:
 
 
 @pytest.fixture(scope="module")
-def harness(tmp_path_factory):
-    from kvshare.engine.make_model import make_model
-
+def harness(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("vllm-harness")
-    model = Path(make_model("tiny", tmp / "model"))
     with start_pool("512MiB") as (address, _pool):
         replicas = []
         try:
             for name, pool, extra in (("A", address, DETAILS), ("B", address, DETAILS),
                                       ("C", None, DETAILS + ("--no-enable-prefix-caching",))):
-                replicas.append(Replica(name, model, tmp, pool, extra))
+                replicas.append(Replica(name, tiny_model, tmp, pool, extra))
             deadline = time.monotonic() + START_TIMEOUT_S
             for replica in replicas:
                 replica.wait_ready(deadline)
             a, b, c = replicas
-            yield Harness(model, off=f"{c.url},{c.url}", on=f"{a.url},{b.url}")
+            yield Harness(tiny_model, off=f"{c.url},{c.url}", on=f"{a.url},{b.url}")
         finally:
             for replica in replicas:
                 replica.stop()

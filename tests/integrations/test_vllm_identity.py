@@ -10,12 +10,12 @@ the identity). The three replicas start together, so the test costs one vLLM sta
 from __future__ import annotations
 
 import random
+import shutil
 import time
 
 import pytest
 from test_vllm import CHUNK, START_TIMEOUT_S, VLLM_PYTHON, Replica
 
-from kvshare.engine.make_model import make_model
 from kvshare.pool.client import read_stats
 from kvshare.pool.testing import start_pool
 
@@ -37,9 +37,10 @@ def wait_chunks(address: str, at_least: int, replica: Replica, timeout_s: float 
     assert read_stats(address).chunks >= at_least, f"pool: {read_stats(address)}\n{replica.log_tail()}"
 
 
-def test_same_config_different_weights_never_share_same_weights_do(tmp_path):
-    first = make_model("tiny", tmp_path / "a" / "model", seed=0)
-    second = make_model("tiny", tmp_path / "b" / "model", seed=1)
+def test_same_config_different_weights_never_share_same_weights_do(tmp_path, generated_model):
+    # Copies of the session's two models, each at `model` in its own directory (as the docstring says).
+    first = shutil.copytree(generated_model(seed=0), tmp_path / "a" / "model")
+    second = shutil.copytree(generated_model(seed=1), tmp_path / "b" / "model")
     assert (first / "config.json").read_bytes() == (second / "config.json").read_bytes()  # the premise
     prompt = [random.Random(3).randrange(3, 1000) for _ in range(PROMPT)]
     with start_pool("64MiB") as (address, _pool):

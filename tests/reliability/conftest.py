@@ -1,4 +1,4 @@
-"""Fixtures for reliability tests: a tiny generated model and `kvshare serve` replicas on a pool, always stopped."""
+"""Helpers for reliability tests: `kvshare serve` replicas of the session's tiny model on a pool, always stopped."""
 
 from __future__ import annotations
 
@@ -6,15 +6,8 @@ import contextlib
 import sys
 
 import httpx
-import pytest
 
-from kvshare.engine.testing import make_tiny_model
 from kvshare.processes import ServerProcess, free_port
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("reliability-model"))
 
 
 def kvshare_serve(model_dir, pool: str = "none", *extra: str) -> ServerProcess:

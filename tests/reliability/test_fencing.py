@@ -23,7 +23,6 @@ from kvshare.engine.api import GenerationRequest, SamplingParams
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.engine import Engine, generate
 from kvshare.engine.pool_connector import PoolConnector
-from kvshare.engine.testing import make_tiny_model
 from kvshare.pool.client import read_stats
 from kvshare.pool.testing import start_pool
 from kvshare.transfer import KVLayout
@@ -101,15 +100,10 @@ def wait_for(condition, what: str, seconds: float = 15.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("fencing"))
-
-
 @pytest.fixture
-def engines(model_dir):
+def engines(tiny_model):
     """off: no pool; a, b: pool replicas that trust the pool's bytes; checker: a replica that verifies them."""
-    made = {name: Engine(EngineConfig(model=str(model_dir), max_model_len=512, num_blocks=128))
+    made = {name: Engine(EngineConfig(model=str(tiny_model), max_model_len=512, num_blocks=128))
             for name in ("off", "a", "b", "checker")}
     yield made
     for engine in made.values():

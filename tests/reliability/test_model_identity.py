@@ -8,7 +8,6 @@ import time
 
 import pytest
 
-from kvshare.engine.testing import make_tiny_model
 from kvshare.pool.client import read_stats
 from kvshare.pool.testing import start_pool
 
@@ -27,9 +26,8 @@ def wait_for_chunks(address: str, at_least: int, timeout_s: float = 30.0) -> Non
     assert read_stats(address).chunks >= at_least, read_stats(address)
 
 
-def test_same_config_different_weights_never_share(tmp_path_factory):
-    models = tmp_path_factory.mktemp("identity-models")
-    first, second = make_tiny_model(models, seed=0), make_tiny_model(models, seed=1)
+def test_same_config_different_weights_never_share(generated_model):
+    first, second = generated_model(seed=0), generated_model(seed=1)
     assert (first / "config.json").read_bytes() == (second / "config.json").read_bytes()  # the premise
     ids = prompt_ids(17)
     with start_pool("8MiB", page_size="64KiB") as (address, _):

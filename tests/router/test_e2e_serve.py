@@ -7,8 +7,6 @@ import sys
 import httpx
 import pytest
 
-from kvshare.engine.testing import make_tiny_model
-
 from .helpers import REPLICA_HEADER, set_policy, sse_events
 from .servers import ServerProcess, free_port, router
 
@@ -23,11 +21,10 @@ def kvshare_serve(model_dir) -> ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    model = make_tiny_model(tmp_path_factory.mktemp("router-e2e-model"))
+def deployment(tiny_model):
     started = []
     try:
-        replicas = [kvshare_serve(model).start(ready_timeout_s=120) for _ in range(2)]
+        replicas = [kvshare_serve(tiny_model).start(ready_timeout_s=120) for _ in range(2)]
         started += replicas
         routed = router([r.url for r in replicas], "alternate").start()
         started.append(routed)
