@@ -4,7 +4,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test quick lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,8 +18,18 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/kvshare demo
 
-test: $(STAMP)
+# The whole suite, after the linters (what CI runs).
+test: lint
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+# The inner loop: every test not marked slow.
+quick: $(STAMP)
+	$(VENV)/bin/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# ruff (pyproject.toml [tool.ruff]) and the layering contracts (pyproject.toml [tool.importlinter]).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check kvshare tests experiments
+	$(VENV)/bin/lint-imports
 
 bench: $(STAMP)
 	$(VENV)/bin/kvshare bench pool
