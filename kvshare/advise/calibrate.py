@@ -135,5 +135,6 @@ def fixed_cost(measured: list[tuple[int, int, float]], rates: Rates) -> float:
     (prompt tokens, hit tokens, seconds) samples; never below 0."""
     prefill, excess = rates.prefill, []
     for n, hit, seconds in measured:
-        excess.append(seconds - hit * rates.kv_bytes_per_token / (rates.load_gb_s * 1e9) - prefill.seconds(n - hit, hit))
+        loading = hit * rates.kv_bytes_per_token / (rates.load_gb_s * 1e9)
+        excess.append(seconds - loading - prefill.seconds(n - hit, hit))
     return max(0.0, statistics.median(excess)) if excess else 0.0

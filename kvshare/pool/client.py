@@ -128,10 +128,12 @@ class PoolClient:
     def hello(self, namespace_key: bytes, description: str = "") -> None:
         self._call(p.Hello(namespace_key, description), p.Ok)
 
-    def lookup(self, namespace_key: bytes, keys: list[bytes], tokens: list[bytes]) -> LookupResult:
+    def lookup(self, namespace_key: bytes, keys: list[bytes], tokens: list[bytes],
+               promote: bool = True) -> LookupResult:
         """The longest prefix of `keys` (with `tokens`, each chunk's token bytes) that the pool holds and verified,
-        read-leased: RELEASE the lease once the bytes are copied out."""
-        reply = self._call(p.Lookup.of(namespace_key, keys, tokens), p.LookupReply)
+        read-leased: RELEASE the lease once the bytes are copied out. promote=False: a pool with an L2 tier answers
+        from its own memory, without promoting L2 hits first."""
+        reply = self._call(p.Lookup.of(namespace_key, keys, tokens, promote), p.LookupReply)
         try:
             return LookupResult(reply.lease, reply.refs(keys))
         except ValueError as error:

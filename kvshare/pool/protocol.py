@@ -77,10 +77,13 @@ class Lookup(Request):
     # Senders may pass bytes.
     tokens: memoryview
     token_lengths: list[int]
+    # With --l2: may the pool promote L2 hits past L1's prefix before it answers? False answers from L1 alone, so a
+    # replica can decide per request whether promotion beats recompute (then LOOKUP again with True).
+    promote: bool = True
 
     @classmethod
-    def of(cls, namespace: bytes, keys: list[bytes], tokens: list[bytes]) -> "Lookup":
-        return cls(namespace, keys, b"".join(tokens), list(map(len, tokens)))  # type: ignore[arg-type]
+    def of(cls, namespace: bytes, keys: list[bytes], tokens: list[bytes], promote: bool = True) -> "Lookup":
+        return cls(namespace, keys, b"".join(tokens), list(map(len, tokens)), promote)  # type: ignore[arg-type]
 
     def check_lengths(self) -> None:
         """Raise ValueError unless token_lengths are non-negative, one per key, and add up to len(tokens)."""
@@ -233,6 +236,7 @@ class _RawLookup(Request, tag="Lookup"):
     keys: msgspec.Raw
     tokens: memoryview
     token_lengths: msgspec.Raw
+    promote: bool = True
 
 
 class _RawReserve(Request, tag="Reserve"):
@@ -263,9 +267,9 @@ def decode_request(body: bytes | memoryview, max_keys: int) -> Request:
     items are decoded; msgspec.DecodeError if the body is not a request. Lookup.tokens stays a view into `body`."""
     request = _server_decoder.decode(body)
     match request:
-        case _RawLookup(namespace, keys, tokens, lengths):
+        case _RawLookup(namespace, keys, tokens, lengths, promote):
             return Lookup(namespace, _bounded(_keys, keys, max_keys, "LOOKUP keys"), tokens,
-                          _bounded(_ints, lengths, max_keys, "LOOKUP token_lengths"))
+                          _bounded(_ints, lengths, max_keys, "LOOKUP token_lengths"), promote)
         case _RawReserve(namespace, chunks, evict):
             return Reserve(namespace, _bounded(_chunks, chunks, max_keys, "RESERVE chunks"), evict)
         case _RawCommit(lease, checksums):

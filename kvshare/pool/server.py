@@ -49,7 +49,7 @@ class NoL2:
         self.state = state
 
     def lookup(self, client: int, namespace: bytes, keys: list[bytes], tokens: memoryview,
-               lengths: list[int]) -> p.LookupReply:
+               lengths: list[int], promote: bool) -> p.LookupReply:
         return self.state.lookup_joined(client, namespace, keys, tokens, lengths)
 
     def after_commit(self, entries: list) -> None:
@@ -240,12 +240,12 @@ class PoolServer:
             case p.Hello(namespace, description):
                 s.hello(namespace, description, conn.id)
                 return p.Ok()
-            case p.Lookup(namespace, keys, tokens, lengths):
+            case p.Lookup(namespace, keys, tokens, lengths, promote):
                 try:
                     request.check_lengths()
                 except ValueError as error:
                     raise RequestError(p.ErrorCode.BAD_REQUEST, f"LOOKUP: {error}") from None
-                return self.l2.lookup(conn.id, namespace, keys, tokens, lengths)
+                return self.l2.lookup(conn.id, namespace, keys, tokens, lengths, promote)
             case p.Reserve(namespace, chunks, evict):
                 return s.reserve(conn.id, namespace, chunks, evict)
             case p.Commit(lease, checksums):

@@ -7,8 +7,7 @@ import math
 
 import pytest
 
-from kvshare.advise.model import (CostModel, PrefillCurve, PrefillSample, Rates, SessionKind, mix_gain,
-                                  session_estimate)
+from kvshare.advise.model import CostModel, PrefillCurve, PrefillSample, Rates, SessionKind, mix_gain, session_estimate
 
 CURVE = PrefillCurve(fixed_s=0.05, per_token_s=1e-4, per_pair_s=1e-9)
 
@@ -79,8 +78,10 @@ def test_sessions_gain_only_when_turns_change_replicas():
     assert alternate.off_s == pytest.approx(off)
     pooled = [(p - 256) // 256 * 256 for p in prompts]  # the previous turn's prompt and answer, whole chunks
     on = model.recompute(prompts[0]) + model.pool(prompts[1], pooled[1])
-    on += sum(min(model.recompute(prompts[k], prompts[k - 2] + 32), model.pool(prompts[k], pooled[k], prompts[k - 2] + 32))
-              for k in (2, 3))
+    for k in (2, 3):
+        local = prompts[k - 2] + 32
+        on += min(model.recompute(prompts[k], local), model.pool(prompts[k], pooled[k], local))
     assert alternate.on_s == pytest.approx(on)
-    assert mix_gain([fixed, alternate]) == pytest.approx(1 - (fixed.on_s + alternate.on_s) / (fixed.off_s + alternate.off_s))
+    both_on, both_off = fixed.on_s + alternate.on_s, fixed.off_s + alternate.off_s
+    assert mix_gain([fixed, alternate]) == pytest.approx(1 - both_on / both_off)
     assert math.isfinite(alternate.on_s)

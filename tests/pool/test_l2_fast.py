@@ -184,3 +184,25 @@ def test_value_longer_than_the_namespace_size_seen_before_is_fetched_whole_next_
                 assert (stats.l2_errors, stats.l2_rejected, stats.l2_promotions) == (0, 0, 3)
                 _wait(lambda: _idle(pool), "every internal lease ended")
         plain.close()
+
+
+def test_lookup_without_promotion_answers_from_l1_and_the_rate_is_reported():
+    keys, tokens, datas = _chunks(4, seed=6)
+    with start_redis() as server:
+        plain = redis.Redis(port=server.port)
+        _put(plain, keys, tokens, datas)
+        with start_pool("32MiB", page_size=1 << 20, l2=url_of(server)) as (address, _):
+            with _connect(address) as pool:
+                before = _hits(server)
+                found = pool.lookup(NS, keys, tokens, promote=False)
+                assert found.chunks == [] and _hits(server) == before  # L2 not even asked
+                stats = pool.stats()
+                assert (stats.l2_hits, stats.l2_promotions, stats.l2_promoted_bytes) == (0, 0, 0)
+                assert _load(pool, keys, tokens) == datas  # promote=True (the default): promoted
+                stats = pool.stats()
+                assert stats.l2_promotions == 4 and stats.l2_promoted_bytes == 4 * CHUNK
+                assert stats.l2_promote_seconds > 0
+                again = pool.lookup(NS, keys, tokens, promote=False)
+                assert [c.key for c in again.chunks] == keys  # now in L1
+                pool.release(again.lease)
+        plain.close()

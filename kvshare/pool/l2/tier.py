@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -35,7 +36,8 @@ from kvshare.pool.state import PoolState
 log = logging.getLogger(__name__)
 INTERNAL_CLIENT = 0  # owns the pins (write-behind, the L1 prefix during promotion)
 PROMOTION_CLIENT = -1  # owns promotions' write leases: a separate per-client lease budget from the pins
-FIELDS = ("l2_writes", "l2_write_drops", "l2_errors", "l2_hits", "l2_promotions", "l2_rejected")
+FIELDS = ("l2_writes", "l2_write_drops", "l2_errors", "l2_hits", "l2_promotions", "l2_rejected", "l2_promoted_bytes",
+          "l2_promote_seconds")
 
 
 class Counters:
@@ -109,12 +111,15 @@ class L2Tier:
     # ---- lookup ------------------------------------------------------------------------------------------------
 
     async def lookup(self, client: int, namespace: bytes, keys: list[bytes], blob: bytes | memoryview,
-                     lengths: list[int]) -> LookupReply:
+                     lengths: list[int], promote: bool = True) -> LookupReply:
         """LOOKUP with promotion: if L1's prefix ends early, wait (bounded) for L2's next chunks to be promoted.
+        promote=False answers from L1 at once (the replica decides whether promotion pays, and asks again).
 
         `blob` holds every chunk's token bytes back to back (`lengths` each, checked by the caller); it is copied
         first (the answer is awaited, and a promotion keeps slices of it in the index). One copy per LOOKUP (it was
         three: per-chunk slices, a join for L1's check, a join in PoolState)."""
+        if not promote:  # nothing awaited before the answer: the receive buffer's view is still valid
+            return self.state.lookup_joined(client, namespace, keys, blob, lengths)
         blob = bytes(blob)  # the server passes its receive buffer's view; this answer outlives the frame
         n = self._l1_prefix(namespace, keys, blob, lengths)
         if n is not None and n < len(keys) and self.store.breaker.may_try():
@@ -141,8 +146,10 @@ class L2Tier:
             log.debug("promotion still running after %g s: answering with L1 only", self.config.promote_timeout)
 
     async def _promote(self, namespace: bytes, keys: list[bytes], tokens: list[bytes], parent: bytes) -> None:
+        started = time.monotonic()
         try:
-            await self.promoter.promote(namespace, keys, tokens, parent)
+            if await self.promoter.promote(namespace, keys, tokens, parent):  # its rate: bytes (install.py) / time
+                self.counters.add(l2_promote_seconds=time.monotonic() - started)
         except asyncio.CancelledError:
             raise
         except Exception:  # a bug here must cost hits, never a LOOKUP
