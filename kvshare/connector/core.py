@@ -33,6 +33,7 @@ from kvshare.connector.config import ConnectorConfig
 from kvshare.connector.contract import ConnectorStats, StoreHandle
 from kvshare.connector.failures import Failures
 from kvshare.connector.link import PoolLink
+from kvshare.connector.storer import Storer, StoreTask
 from kvshare.keys import Namespace, PromptChunks, chunk_keys, prompt_chunks, token_bytes
 from kvshare.pool.client import NewChunk, PoolClient
 from kvshare.transfer import SKIP, KVLayout, LoadJob, StoreJob, Transfer, TransferOptions, arena_pages, make_transfer
@@ -105,6 +106,7 @@ class ConnectorCore:
         self._failures = Failures(self.stats)
         self._link = PoolLink(config, self._failures, self._on_connect)
         self._committer = Committer(self._commit, self.stats, self._failures)
+        self._storer = Storer(self._store_task, self._failures)
 
     # ---- both halves -------------------------------------------------------------------------------------------
     def namespace(self, salt: str = "") -> Namespace:
@@ -180,7 +182,9 @@ class ConnectorCore:
         self._lease_limit = client.stats().max_leased_pages_per_client
         transfer = None
         if self._kv is not None:
-            options = TransferOptions(checksums=self.config.checksums_on)
+            config = self.config
+            options = TransferOptions(checksums=config.checksums_on, register_piece_bytes=config.register_piece,
+                                      register_threads=config.register_threads, register_ahead=config.register_ahead)
             transfer = make_transfer(self._kv.layout, self._kv.kv_caches, arena_pages(client), options=options)
         self._attached = Attached(_instance_of(client), transfer)
 
@@ -260,12 +264,20 @@ class ConnectorCore:
               tail: bool = False) -> StoreHandle | None:
         """Store the chunks of token_ids beyond the first `num_stored` tokens: its full chunks and, with `tail`, the
         whole blocks after them as one partial chunk (a prompt's own store: at most one tail per prompt). Never
-        raises."""
+        raises. On a CPU replica it returns at once and the storer thread does the work (kvshare.connector.storer);
+        on a GPU the copies are queued on side streams here, ordered after the caller's stream (I4)."""
         try:
+            kv = self._kv
+            if kv is not None and kv.kv_caches[0].device.type == "cpu":
+                return self._storer.submit(token_ids, block_ids, num_stored, salt, tail)
             return self._store(token_ids, block_ids, num_stored, salt, tail)
         except Exception as error:  # noqa: BLE001 - a failed store is a future miss, never a failed request
             self._failures.record("store", error, "continuing without it")
             return None
+
+    def _store_task(self, task: StoreTask) -> None:
+        """The storer thread's work: the store itself; its copies are over when this returns (CPU transfers)."""
+        self._store(task.token_ids, task.block_ids, task.num_stored, task.salt, task.tail)
 
     def _store(self, token_ids: Sequence[int], block_ids: Sequence[int], num_stored: int,
                salt: str, tail: bool) -> StoreHandle | None:
@@ -339,9 +351,11 @@ class ConnectorCore:
         return first + fits
 
     def flush(self, timeout: float = 30.0) -> None:
-        """Wait until every store submitted so far is committed (tests, shutdown)."""
+        """Wait until every store submitted so far is committed (tests, shutdown): the storer has handed each to the
+        committer before the committer's flush is queued."""
+        self._storer.flush(timeout)
         self._committer.flush(timeout)
 
     def close(self) -> None:
-        self._committer.flush(10.0)
+        self.flush(10.0)
         self._link.close()

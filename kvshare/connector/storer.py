@@ -1,0 +1,69 @@
+"""The storer thread: runs a CPU replica's stores (RESERVE, the copies out of the engine's blocks, the hand-over to
+the committer) after the call that asked for them has returned, so the request that stores never waits for them.
+
+On a CPU the copies are synchronous work on the calling thread (kvshare.transfer.cpu); in vLLM that thread is the
+worker's, between the forward and the sampling of the token the client waits for. A GPU replica's copies are already
+asynchronous (side streams ordered by events recorded on the caller's stream), so its stores stay on the caller.
+
+Invariants:
+- A task's StoreHandle is done only once its copies have finished or it gave up (I4): the engine keeps the blocks
+  until then. The blocks hold KV the engine has computed and never writes again (whole blocks of computed tokens;
+  a decode step writes the block after them), so reading them later reads the same bytes.
+- Tasks run one at a time in submission order, so a request's chunks are reserved parent before child.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from kvshare.connector.contract import StoreHandle
+from kvshare.connector.failures import Failures
+
+
+@dataclass
+class StoreTask:
+    token_ids: Sequence[int]
+    block_ids: Sequence[int]
+    num_stored: int
+    salt: str
+    tail: bool
+    finished: threading.Event = field(default_factory=threading.Event)
+
+
+class Storer:
+    """`run(task)` is the core's synchronous store; it must not raise (failures are the core's to record)."""
+
+    def __init__(self, run: Callable[[StoreTask], object], failures: Failures):
+        self._run, self._failures = run, failures
+        self._queue: queue.Queue[StoreTask | threading.Event] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="kvshare-storer", daemon=True)
+        self._thread.start()
+
+    def submit(self, token_ids: Sequence[int], block_ids: Sequence[int], num_stored: int, salt: str,
+               tail: bool) -> StoreHandle:
+        """Queue a store; the handle names every block it may read (the engine holds them until it is done)."""
+        task = StoreTask(list(token_ids), list(block_ids), num_stored, salt, tail)
+        self._queue.put(task)
+        return StoreHandle(is_done=task.finished.is_set, block_ids=tuple(task.block_ids))
+
+    def flush(self, timeout: float) -> None:
+        """Wait until every task submitted so far has run."""
+        done = threading.Event()
+        self._queue.put(done)
+        done.wait(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            try:
+                self._run(item)
+            except Exception as error:  # noqa: BLE001 - a store that fails is a future miss
+                self._failures.record("store", error, "continuing without it")
+            finally:
+                item.finished.set()  # after the copies (CPU transfers return once they are done)
