@@ -117,7 +117,7 @@ def l2_rate_from_bench(path: Path, backend: str = "standalone") -> float:
     result = msgspec.json.decode(path.read_bytes())
     for entry in result["backends"]:
         if entry["name"].startswith(backend):
-            return float(entry["striped"]["l2_promote_gb_s"])
+            return float(next(p["promote_gb_s"] for p in entry["paths"] if p["path"] == "striped"))
     raise ValueError(f"{path} has no backend named {backend!r}")
 
 

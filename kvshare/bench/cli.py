@@ -1,4 +1,4 @@
-"""Registers every `kvshare bench` command (cross-replica, sessions, pool, transfer, router-overhead) and
+"""Registers every `kvshare bench` command (cross-replica, sessions, pool, transfer, router-overhead, l2) and
 `kvshare demo`."""
 
 from __future__ import annotations
@@ -73,6 +73,17 @@ def register_micro(cli) -> None:
     overhead.add_argument("--first-token-delay-ms", type=float, default=20.0, help="stub replica's time to first token")
     overhead.add_argument("--json", metavar="PATH", help="write the results as JSON here")
     overhead.set_defaults(run=_router_overhead)
+    l2 = cli.command("l2", "L2 tier on loopback Redis: the original and the striped promotion side by side (GB/s, "
+                     "CPU per GB), write-behind, next to L1 and the plain Redis client", group="bench")
+    l2.add_argument("--chunk-size", default="8MiB", help="bytes per chunk (default 8MiB)")
+    l2.add_argument("--chunks", type=int, default=32, help="chunks per pass (default 32)")
+    l2.add_argument("--repeats", type=int, default=3, help="timed passes per path, alternating (default 3)")
+    l2.add_argument("--connections", type=int, default=4, help="the striped path's connections per node (default 4)")
+    l2.add_argument("--cluster", action="store_true", help="also measure a loopback cluster")
+    l2.add_argument("--masters", type=int, default=3, help="masters of that cluster (default 3)")
+    l2.add_argument("--json", default="", metavar="PATH", help="write the results as JSON")
+    l2.add_argument("--md", default="", metavar="PATH", help="write the results as a Markdown table")
+    l2.set_defaults(run=_l2)
 
 
 def _deployment_flags(parser: argparse.ArgumentParser) -> None:
@@ -177,6 +188,16 @@ def _transfer(args) -> int:
         with open(args.json, "w") as out:
             json.dump({**results, "command": sys.argv}, out, indent=2)
     return 0
+
+
+def _l2(args: argparse.Namespace) -> int:
+    from kvshare.bench.l2 import L2BenchConfig, run_bench
+    from kvshare.units import parse_size
+
+    config = L2BenchConfig(chunk_bytes=parse_size(args.chunk_size), chunks=args.chunks, repeats=args.repeats,
+                           cluster=args.cluster, masters=args.masters, connections=args.connections,
+                           command=" ".join(["kvshare", *sys.argv[1:]]))
+    return run_bench(config, json_path=args.json, md_path=args.md)
 
 
 def _router_overhead(args: argparse.Namespace) -> int:

@@ -82,8 +82,6 @@ def register(cli) -> None:
     check.add_argument("--page-size", default="2MiB", help="page size of the pool to start (default 2MiB)")
     check.set_defaults(run=_check)
 
-    l2_cli.register(cli)  # kvshare pool bench-l2
-
 
 def _serve(args: argparse.Namespace) -> int:
     from kvshare.pool.arena import ArenaError

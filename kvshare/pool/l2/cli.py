@@ -1,4 +1,4 @@
-"""The `--l2*` flags of `kvshare pool serve` and the `kvshare pool bench-l2` command (registered by kvshare.pool.cli).
+"""The `--l2*` flags of `kvshare pool serve` (added by kvshare.pool.cli; the L2 benchmark is `kvshare bench l2`).
 
 Imports nothing heavy: `kvshare --help` loads this module.
 """
@@ -6,7 +6,6 @@ Imports nothing heavy: `kvshare --help` loads this module.
 from __future__ import annotations
 
 import argparse
-import sys
 
 MEMORY_POLICY = ("configure Redis with maxmemory and maxmemory-policy allkeys-lru: L2 is a cache of values that can "
                  "all be recomputed, so the least recently used chunk should make room (with noeviction a full Redis "
@@ -55,24 +54,3 @@ def config_from(args: argparse.Namespace):
                     connections=args.l2_connections, verify_threads=args.l2_verify_threads,
                     batch_bytes=parse_size(args.l2_batch), receive_buffer=parse_size(args.l2_receive_buffer),
                     piece_bytes=parse_size(args.l2_piece))
-
-
-def register(cli) -> None:
-    bench = cli.command("bench-l2", "L2 store/promote throughput on loopback Redis next to the pool's L1 figures, "
-                        "and the network arithmetic for a 128k-token prefix", group="pool")
-    bench.add_argument("--chunk-size", default="8MiB", help="bytes per chunk (default 8MiB)")
-    bench.add_argument("--chunks", type=int, default=32, help="chunks per pass (default 32)")
-    bench.add_argument("--repeats", type=int, default=3, help="timed passes; the best is reported (default 3)")
-    bench.add_argument("--cluster", action="store_true", help="also measure a three-master loopback cluster")
-    bench.add_argument("--json", default="", metavar="PATH", help="write the results as JSON")
-    bench.add_argument("--md", default="", metavar="PATH", help="write the results as a Markdown table")
-    bench.set_defaults(run=_bench)
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from kvshare.pool.l2.bench import L2BenchConfig, run_bench
-    from kvshare.units import parse_size
-
-    config = L2BenchConfig(chunk_bytes=parse_size(args.chunk_size), chunks=args.chunks, repeats=args.repeats,
-                           cluster=args.cluster, command=" ".join(["kvshare", *sys.argv[1:]]))
-    return run_bench(config, json_path=args.json, md_path=args.md)

@@ -1,5 +1,5 @@
 """Promoter: the original ("redis-py") promotion path, kept beside the striped one (striped.py) so that one benchmark
-run can compare them (`kvshare pool bench-l2`, `--l2-fetch redis-py`).
+run can compare them (`kvshare bench l2`, `--l2-fetch redis-py`).
 
 The chunks that follow an L1 prefix are fetched from L2 through redis-py (one pipelined GET per batch), verified, and
 installed into L1. Runs as an asyncio task with its blocking parts on a thread pool, so the loop keeps serving other

@@ -57,6 +57,17 @@ class RedisStore:
 
         return self._call(run, f"GET of {len(names)} chunk(s)")
 
+    def delete_many(self, names: list[str]) -> None:
+        """DEL every name (one pipeline; in a cluster one DEL per key, so no command spans slots)."""
+
+        def run(client):
+            pipe = client.pipeline(transaction=False)
+            for name in names:
+                pipe.delete(name)
+            pipe.execute()
+
+        self._call(run, f"DEL of {len(names)} chunk(s)")
+
     def close(self) -> None:
         with self._lock:
             client, self._client = self._client, None
