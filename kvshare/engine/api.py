@@ -20,6 +20,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     top_k: int = 0  # sample among the k most likely tokens; 0 (or -1): all of them
+    logprobs: int | None = None  # None: none; k >= 0: each emitted token's logprob and the k most likely tokens'
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,15 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """An emitted token's log-probability under the model's raw next-token distribution (log_softmax of its logits,
+    before temperature, top-k or top-p), and the `top` most likely tokens' (most likely first)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob)
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """One step of a request's life, delivered in order. The last event has finished=True (and usage set)."""
 
@@ -53,6 +63,7 @@ class TokenEvent:
     usage: Usage | None = None
     error: str | None = None
     request_caused: bool = False  # with error: this request failed alone (others went on); another replica would too
+    logprobs: TokenLogprobs | None = None  # with token_id, when the request asked for logprobs
 
 
 EventCallback = Callable[[TokenEvent], None]

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvshare.connector.contract import KVConnector
-from kvshare.engine.api import EngineLoad, EventCallback, GenerationRequest, TokenEvent, Usage
+from kvshare.engine.api import EngineLoad, EventCallback, GenerationRequest, TokenEvent, TokenLogprobs, Usage
 from kvshare.engine.block_manager import BlockManager
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.model_runner import ModelRunner
 from kvshare.engine.pool_hooks import PoolHooks
-from kvshare.engine.sampler import RowFailure, sample
+from kvshare.engine.sampler import RowFailure, Sampled, sample
 from kvshare.engine.scheduler import Batch, Scheduler
 from kvshare.engine.sequence import Sequence
 from kvshare.hf.config import ModelConfig
@@ -122,7 +122,7 @@ class Engine:
         self._postprocess(batch, self._run(batch.is_prefill, batch.seqs))
         return True
 
-    def _run(self, is_prefill: bool, seqs: list[Sequence]) -> list[int | RowFailure]:
+    def _run(self, is_prefill: bool, seqs: list[Sequence]) -> list[Sampled | RowFailure]:
         """Model step and sampling: a token, or a failure, per request. A step that fails for several requests is run
         again one request at a time (running a decode again only rewrites the K/V of the same positions), so a request
         that fails alone fails alone and the others go on. A failed step counts as the request's own (another replica
@@ -188,12 +188,13 @@ class Engine:
             return f"max_tokens must be at least 1, got {seq.sampling.max_tokens}"
         return None
 
-    def _postprocess(self, batch: Batch, tokens: list[int | RowFailure]) -> None:
-        for seq, token in zip(batch.seqs, tokens):
-            if isinstance(token, RowFailure):
-                self._finish(seq, "error", error=token.message, request_caused=token.request_caused)
+    def _postprocess(self, batch: Batch, results: list[Sampled | RowFailure]) -> None:
+        for seq, sampled in zip(batch.seqs, results):
+            if isinstance(sampled, RowFailure):
+                self._finish(seq, "error", error=sampled.message, request_caused=sampled.request_caused)
                 continue
             if batch.is_prefill and not seq.admitted:  # hits count once: a preempted request's recompute is no hit
+            token = sampled.token_id
                 seq.admitted = True
                 seq.local_hit_tokens = seq.num_computed - seq.pool_hit_tokens
             seq.num_computed = seq.num_tokens
@@ -201,7 +202,7 @@ class Engine:
             seq.token_ids.append(token)
             reason = self._finish_reason(seq, token)
             if reason is None or reason == "length":  # EOS and stop tokens are not part of the output
-                self._emit(seq, TokenEvent(seq.request_id, token))
+                self._emit(seq, TokenEvent(seq.request_id, token, logprobs=sampled.logprobs))
             if batch.is_prefill and self.pool:
                 self.pool.store(seq, seq.num_prompt_tokens)  # after the first token left: no TTFT cost
             if reason:
@@ -241,6 +242,7 @@ class Result:
 
     token_ids: list[int] = field(default_factory=list)
     finished: TokenEvent | None = None
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # one per emitted token
 
 
 def generate(engine: Engine, requests: list[GenerationRequest], timeout: float = 600.0) -> list[Result]:
@@ -253,6 +255,7 @@ def generate(engine: Engine, requests: list[GenerationRequest], timeout: float =
         if event.token_id is not None:
             result.token_ids.append(event.token_id)
         if event.finished:
+            result.logprobs.append(event.logprobs)
             result.finished = event
             done.release()
 
