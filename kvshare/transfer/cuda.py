@@ -30,7 +30,7 @@ import torch
 from kvshare.transfer.blocks import BlockSpace
 from kvshare.transfer.checksum import DeviceHasher
 from kvshare.transfer.cpu import kept_segments
-from kvshare.transfer.hostmem import register_pages
+from kvshare.transfer.hostmem import Pieces, registration
 from kvshare.transfer.jobs import ChunkPlan, TransferHandle
 from kvshare.transfer.transfer import Transfer, TransferOptions
 
@@ -42,7 +42,7 @@ class _Slot:
 
 
 @dataclass(frozen=True)
-class _Item:
+class SlotItem:
     """Pages [j0, j1) of one chunk: what one staging slot carries."""
 
     chunk: ChunkPlan
@@ -55,7 +55,10 @@ class CudaTransfer(Transfer):
     def __init__(self, space: BlockSpace, pages: torch.Tensor, options: TransferOptions):
         super().__init__(space, pages, options)
         self.device = space.device
-        register_pages(pages)  # once per process and range (hostmem keeps the registry)
+        # Once per process and arena view (hostmem keeps the registry); in the background unless register_ahead is off.
+        self.registration = registration(pages, options.register_piece_bytes, options.register_threads,
+                                         ahead=options.register_ahead)
+        self.pieces = self.registration.pieces
         self.gather_stream = torch.cuda.Stream(self.device)
         self.copy_stream = torch.cuda.Stream(self.device)
         self.used_per_page = self.units_per_page * self.layout.block_bytes
@@ -100,6 +103,7 @@ class CudaTransfer(Transfer):
         produced.record(caller)
         if self.options.ordering == "stream":
             self.gather_stream.wait_event(produced)  # I4: read KV only after the kernels that wrote it
+        self._ensure_registered(plans)
         rows, items = self._prepare(plans)
         parts = []
         for item in items:
@@ -120,7 +124,7 @@ class CudaTransfer(Transfer):
         # Host hashing reads the arena, so it waits for the copies that write it.
         return _EventHandle(done, _results(self.start_checksums(self._extents(plans), before=done.synchronize)))
 
-    def _gather(self, item: _Item, rows: torch.Tensor, slot: _Slot) -> None:
+    def _gather(self, item: SlotItem, rows: torch.Tensor, slot: _Slot) -> None:
         units = slot.buffer.view(-1, self.layout.block_bytes)  # [slot_pages * upp, block_bytes]
         u_start, u_end = item.chunk.page_units(item.j0)[0], item.chunk.page_units(item.j1 - 1)[1]
         for group, a, b in self.space.group_spans(item.chunk.blocks_per_chunk, u_start, u_end):
@@ -136,6 +140,7 @@ class CudaTransfer(Transfer):
         earlier.record(caller)
         if self.options.ordering == "stream":
             self.gather_stream.wait_event(earlier)  # WAR: earlier kernels may still read the destination blocks
+        self._ensure_registered(plans)
         rows, items = self._prepare(plans)
         on_host = checksums and not self.hasher
         # Host hashing reads the arena, which the read lease keeps unchanged: it starts at once, beside the copies.
@@ -164,7 +169,7 @@ class CudaTransfer(Transfer):
             caller.wait_event(handle.event)  # I5: later kernels on the caller's stream see the loaded blocks
         return handle
 
-    def _scatter(self, item: _Item, rows: torch.Tensor, slot: _Slot) -> None:
+    def _scatter(self, item: SlotItem, rows: torch.Tensor, slot: _Slot) -> None:
         units = slot.buffer.view(-1, self.layout.block_bytes)
         chunk = item.chunk
         u_start, u_end = chunk.page_units(item.j0)[0], chunk.page_units(item.j1 - 1)[1]
@@ -175,12 +180,18 @@ class CudaTransfer(Transfer):
                     view.index_copy_(0, index, units[s - u_start : e - u_start, offset : offset + self.space.run_bytes])
 
     # ---- shared ------------------------------------------------------------------------------------------------
-    def _prepare(self, plans: list[ChunkPlan]) -> tuple[torch.Tensor, list[_Item]]:
+    def _ensure_registered(self, plans: list[ChunkPlan]) -> None:
+        """Block until the pieces of the arena holding the batch's pages are registered (before any copy is queued:
+        a DMA from an unregistered page would be a slow pageable copy, or fail)."""
+        if plans:
+            self.registration.ensure(np.concatenate([chunk.pages for chunk in plans]))
+
+    def _prepare(self, plans: list[ChunkPlan]) -> tuple[torch.Tensor, list[SlotItem]]:
         """Upload the batch's unit rows and cut it into slot-sized items."""
         items, offset = [], 0
         for chunk in plans:
             for j0 in range(0, len(chunk.pages), self.slot_pages):
-                items.append(_Item(chunk, offset, j0, min(j0 + self.slot_pages, len(chunk.pages))))
+                items.append(SlotItem(chunk, offset, j0, min(j0 + self.slot_pages, len(chunk.pages))))
             offset += len(chunk.rows)
         host_rows = np.concatenate([chunk.rows for chunk in plans]) if plans else np.zeros(0, np.int64)
         # Allocated while gather_stream is current, the only stream that reads it: its memory is then recycled
@@ -192,10 +203,10 @@ class CudaTransfer(Transfer):
             rows = torch.from_numpy(host_rows).pin_memory().to(self.device, non_blocking=True)
         return rows, items
 
-    def _copy_pages(self, item: _Item, slot: _Slot, to_host: bool) -> None:
+    def _copy_pages(self, item: SlotItem, slot: _Slot, to_host: bool) -> None:
         """Non-blocking DMA between the slot and the item's arena pages, coalescing runs of adjacent full pages."""
         staging, arena = slot.buffer.view(-1), self.pages.view(-1)
-        for k0, page, nbytes in _page_runs(item, self.page_size, self.used_per_page, self.layout.block_bytes):
+        for k0, page, nbytes in page_runs(item, self.used_per_page, self.layout.block_bytes, self.pieces):
             device_part = staging[k0 * self.used_per_page : k0 * self.used_per_page + nbytes]
             host_part = arena[page * self.page_size : page * self.page_size + nbytes]
             if to_host:
@@ -203,7 +214,7 @@ class CudaTransfer(Transfer):
             else:
                 device_part.copy_(host_part, non_blocking=True)
 
-    def _hash(self, item: _Item, slot: _Slot, filled: torch.cuda.Event) -> torch.Tensor:
+    def _hash(self, item: SlotItem, slot: _Slot, filled: torch.cuda.Event) -> torch.Tensor:
         nbytes = item.chunk.nbytes(self.page_size, self.layout.block_bytes)
         return self.hasher.add(slot.buffer, nbytes, item.j0, item.j1, filled)
 
@@ -211,7 +222,7 @@ class CudaTransfer(Transfer):
         """The streams that read a slot: the copy (store) or scatter (load), and the hash stream when it hashed."""
         return [stream] + ([self.hasher.stream] if self.hasher and hashed else [])
 
-    def _device_checksums(self, plans: list[ChunkPlan], items: list[_Item], parts: list[torch.Tensor]):
+    def _device_checksums(self, plans: list[ChunkPlan], items: list[SlotItem], parts: list[torch.Tensor]):
         owner = {id(chunk): c for c, chunk in enumerate(plans)}
         extents = [nbytes for _, nbytes in self._extents(plans)]
         return self.hasher.finish(parts, [owner[id(item.chunk)] for item in items], extents)
@@ -233,14 +244,17 @@ class _EventHandle(TransferHandle):
         self.event = event
 
 
-def _page_runs(item: _Item, page_size: int, used_per_page: int, block_bytes: int) -> list[tuple[int, int, int]]:
-    """(slot page index, first arena page, bytes) per copy: adjacent pages merge while each is used in full."""
+def page_runs(item: SlotItem, used_per_page: int, block_bytes: int, pieces: Pieces) -> list[tuple[int, int, int]]:
+    """(slot page index, first arena page, bytes) per copy: adjacent pages merge while each is used in full, and a
+    run never crosses from one registration piece into the next (each piece is its own pinned allocation)."""
+    page_size = pieces.page_size
     runs: list[list[int]] = []
     for j in range(item.j0, item.j1):
         u0, u1 = item.chunk.page_units(j)
         nbytes, page = (u1 - u0) * block_bytes, int(item.chunk.pages[j])
         last = runs[-1] if runs else None
-        if last and used_per_page == page_size and last[1] + last[2] // page_size == page and last[2] % page_size == 0:
+        if (last and used_per_page == page_size and last[1] + last[2] // page_size == page
+                and last[2] % page_size == 0 and page % pieces.pages_per_piece != 0):
             last[2] += nbytes
         else:
             runs.append([j - item.j0, page, nbytes])

@@ -1,43 +1,221 @@
-"""Registering host memory (the arena mapping) for DMA, once per process and range.
+"""Registering host memory (the arena mapping) for DMA in bounded pieces, in the background, demand first.
 
 cudaHostRegister pins the pages and maps them for the GPU's copy engines, so copies to and from the arena run at
-full PCIe speed (~55 GB/s on the H200 host instead of ~6.7 GB/s through pageable staging). It costs ~60 ms per
-GiB (1.95 s for 32 GiB), so it is done once per process per range and never per transfer; a caller may register
-only the prefix of the arena it uses.
+full PCIe speed (~55 GB/s on the H200 host instead of ~6.7 GB/s through pageable staging). It is slow (FACTS: 1.95 s
+for 32 GiB of touched /dev/shm; a fresh replica attached to a 100 GiB pool took ~35-50 s more to start: the
+registration faults in every page this process has not touched), and one registration of >= 512 GiB fails on some
+drivers. So an arena view is registered as `Pieces`: ranges of whole pages of at most
+`piece_bytes` each, registered by a few threads in the background (the replica is ready at once), while a transfer
+waits only for the pieces its pages lie in (`Registration.ensure`), taking a piece nobody has started yet on its own
+thread. A copy never spans two pieces (kvshare.transfer.cuda.page_runs): each is its own allocation to the driver.
+
+Invariants:
+- A piece is registered at most once per process; unregistered only by `close()` (before the mapping goes away).
+- `ensure(pages)` returns only when every piece holding one of `pages` is registered, or raises the error of the
+  piece that failed (the connector then counts a miss): no copy ever reads or writes an unregistered arena page.
 """
 
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable, Iterable
 
+import numpy as np
 import torch
 
+DEFAULT_PIECE_BYTES = 16 << 30  # FACTS: one registration of >= 512 GiB fails on the R580 driver line; vLLM uses 64
+DEFAULT_THREADS = 4
 _ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered: another part of this process did it: fine
-_lock = threading.Lock()  # guards _registered: two transfers made from two threads must not register twice
-_registered: set[tuple[int, int]] = set()
+_lock = threading.Lock()  # guards _registrations: two transfers made from two threads must share one Registration
+_registrations: dict[tuple[int, int], Registration] = {}
 
 
-def register_pages(pages: torch.Tensor, num_pages: int | None = None) -> None:
-    """Register the first `num_pages` pages (default: all) of a host uint8 [num_pages, page_size] arena view."""
-    count = pages.shape[0] if num_pages is None else min(num_pages, pages.shape[0])
-    ptr, nbytes = pages.data_ptr(), count * pages.shape[1]
-    with _lock:
-        if any(start <= ptr and ptr + nbytes <= start + size for start, size in _registered):
+@dataclass(frozen=True)
+class Pieces:
+    """An arena of `num_pages` pages of `page_size` bytes cut into pieces of `pages_per_piece` whole pages (the last
+    may be shorter). Pure arithmetic: what the registration and the copy plans agree on."""
+
+    num_pages: int
+    page_size: int
+    pages_per_piece: int
+
+    @classmethod
+    def of(cls, num_pages: int, page_size: int, piece_bytes: int) -> Pieces:
+        if piece_bytes <= 0:
+            raise ValueError(f"registration piece must be positive, got {piece_bytes} bytes")
+        return cls(num_pages, page_size, max(1, piece_bytes // page_size))
+
+    @property
+    def count(self) -> int:
+        return -(-self.num_pages // self.pages_per_piece)
+
+    def pages(self, piece: int) -> tuple[int, int]:
+        """Pages [first, end) of `piece`."""
+        first = piece * self.pages_per_piece
+        return first, min(first + self.pages_per_piece, self.num_pages)
+
+    def containing(self, page_ids: Iterable[int] | np.ndarray) -> list[int]:
+        """The pieces that hold any of `page_ids`, ascending."""
+        ids = np.asarray(page_ids, dtype=np.int64).reshape(-1)
+        return np.unique(ids // self.pages_per_piece).tolist() if ids.size else []
+
+
+def cuda_register(ptr: int, nbytes: int) -> None:
+    result = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+    if result not in (0, _ALREADY_REGISTERED):
+        raise RuntimeError(
+            f"cudaHostRegister of {nbytes} bytes of the arena failed with CUDA error {result}: check that the "
+            "arena is mapped read-write and that the memlock limit (ulimit -l) allows pinning it; a smaller "
+            "--register-piece helps where one large registration fails"
+        )
+
+
+def cuda_unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+class Registration:
+    """The DMA registration of one arena view, piece by piece. Thread-safe.
+
+    Each piece is *claimed* once, under the lock, by whoever registers it: a background worker (start(): `threads`
+    daemon threads taking pieces in ascending order) or a transfer's thread in ensure(), which takes any piece it
+    needs that nobody has claimed yet and waits for those others hold. A claim is a Future that every waiter shares,
+    so a failed registration raises the same error in each of them."""
+
+    def __init__(self, base: int, pieces: Pieces, threads: int = DEFAULT_THREADS,
+                 register: Callable[[int, int], None] = cuda_register,
+                 unregister: Callable[[int], None] = cuda_unregister):
+        if threads < 1:
+            raise ValueError(f"registration threads must be >= 1, got {threads}")
+        self.base, self.pieces, self.threads = base, pieces, threads
+        self._register, self._unregister = register, unregister
+        self._lock = threading.Lock()  # guards _claims and _next: a piece gets exactly one claim, whoever makes it
+        self._claims: dict[int, Future] = {}
+        self._next = 0  # the background workers' next candidate piece
+        self._workers: list[threading.Thread] = []
+        self._closed = False
+        self._all_done = False  # set once every piece is registered: ensure() is then one attribute read
+
+    def span(self, piece: int) -> tuple[int, int]:
+        """(address, bytes) of `piece`."""
+        first, end = self.pieces.pages(piece)
+        return self.base + first * self.pieces.page_size, (end - first) * self.pieces.page_size
+
+    def start(self) -> Registration:
+        """Start the background workers (once); returns at once."""
+        with self._lock:
+            if self._workers or self._closed:
+                return self
+            # Daemon threads: a process that exits mid-registration must not wait for the rest of a 1 TiB arena.
+            self._workers = [threading.Thread(target=self._work, name=f"kvshare-register-{i}", daemon=True)
+                             for i in range(min(self.threads, self.pieces.count))]
+        for worker in self._workers:
+            worker.start()
+        return self
+
+    def ensure(self, page_ids: Iterable[int] | np.ndarray) -> None:
+        """Return once every piece holding one of `page_ids` is registered (see the module's invariants)."""
+        if self._all_done:
             return
-        result = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
-        if result not in (0, _ALREADY_REGISTERED):
-            raise RuntimeError(
-                f"cudaHostRegister of {nbytes} bytes of the arena failed with CUDA error {result}: check that the "
-                "arena is mapped read-write and that the memlock limit (ulimit -l) allows pinning it"
-            )
-        _registered.add((ptr, nbytes))
+        self._wait(self.pieces.containing(page_ids))
+
+    def wait_all(self) -> None:
+        """Register every piece (on this thread where nobody has claimed it) and wait for all of them."""
+        self._wait(range(self.pieces.count))
+
+    def registered(self) -> int:
+        """Pieces registered so far."""
+        with self._lock:
+            claims = list(self._claims.values())
+        return sum(f.done() and f.exception() is None for f in claims)
+
+    def _claim(self, piece: int) -> Future | None:
+        """A new claim on `piece` for the caller, or None if someone holds one. Under self._lock."""
+        if piece in self._claims or self._closed:
+            return None
+        future = self._claims[piece] = Future()
+        future.set_running_or_notify_cancel()  # never cancelled: it resolves when the registration ends
+        return future
+
+    def _run(self, piece: int, future: Future) -> None:
+        try:
+            self._register(*self.span(piece))
+            future.set_result(None)
+        except BaseException as error:  # the claim carries it to every waiter, now and later
+            future.set_exception(error)
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                while self._next < self.pieces.count and self._next in self._claims:
+                    self._next += 1
+                if self._next >= self.pieces.count or self._closed:
+                    return
+                piece = self._next
+                future = self._claim(piece)
+            self._run(piece, future)
+
+    def _wait(self, pieces: Iterable[int]) -> None:
+        mine, waits = [], []
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the arena's DMA registration was closed (the mapping is going away)")
+            for piece in pieces:
+                future = self._claim(piece)
+                if future is not None:
+                    mine.append((piece, future))
+                waits.append(self._claims[piece])
+        for piece, future in mine:
+            self._run(piece, future)
+        for future in waits:
+            future.result()  # raises the piece's registration error, if any
+        if self.registered() == self.pieces.count:
+            self._all_done = True
+
+    def close(self) -> None:
+        """Stop the workers, wait for registrations under way, unregister every registered piece."""
+        with self._lock:
+            self._closed = True
+            claims = dict(self._claims)
+        for worker in self._workers:
+            worker.join()
+        for piece, future in sorted(claims.items()):
+            if future.exception() is None:  # waits for a registration another thread is still running
+                self._unregister(self.span(piece)[0])
+        self._all_done = False
+
+
+def registration(pages: torch.Tensor, piece_bytes: int = DEFAULT_PIECE_BYTES, threads: int = DEFAULT_THREADS,
+                 ahead: bool = True) -> Registration:
+    """The process's Registration of a host uint8 [num_pages, page_size] arena view (one per view: the first
+    caller's piece size and threads win). `ahead`: start registering every piece in the background now; otherwise
+    pieces are registered only when a transfer first needs them (only what this replica uses is pinned)."""
+    key = (pages.data_ptr(), pages.numel())
+    with _lock:
+        found = _registrations.get(key)
+        if found is None:
+            found = _registrations[key] = Registration(
+                pages.data_ptr(), Pieces.of(pages.shape[0], pages.shape[1], piece_bytes), threads)
+    return found.start() if ahead else found
+
+
+def register_pages(pages: torch.Tensor, num_pages: int | None = None, piece_bytes: int = DEFAULT_PIECE_BYTES,
+                   threads: int = DEFAULT_THREADS) -> Registration:
+    """Register the first `num_pages` pages (default: all) of an arena view now, returning when they are."""
+    found = registration(pages, piece_bytes, threads, ahead=False)
+    count = pages.shape[0] if num_pages is None else min(num_pages, pages.shape[0])
+    found.ensure(range(count))
+    return found
 
 
 def unregister_pages(pages: torch.Tensor) -> None:
-    """Undo register_pages for every registered range inside `pages`; call before unmapping the arena (a new
-    mapping at the same address would otherwise be taken as registered)."""
+    """Undo the registration of every arena view inside `pages`; call before unmapping the arena (a new mapping at
+    the same address would otherwise be taken as registered)."""
     start, end = pages.data_ptr(), pages.data_ptr() + pages.numel()
     with _lock:
-        for ptr, nbytes in [r for r in _registered if start <= r[0] < end]:
-            torch.cuda.cudart().cudaHostUnregister(ptr)
-            _registered.discard((ptr, nbytes))
+        inside = [key for key in _registrations if start <= key[0] < end]
+        found = [_registrations.pop(key) for key in inside]
+    for registration_ in found:
+        registration_.close()

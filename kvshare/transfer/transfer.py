@@ -10,6 +10,7 @@ import torch
 
 from kvshare.transfer.blocks import BlockSpace, build_block_space
 from kvshare.transfer.checksum import arena_checksum, start_checksums
+from kvshare.transfer.hostmem import DEFAULT_PIECE_BYTES, DEFAULT_THREADS
 from kvshare.transfer.jobs import ChunkPlan, LoadJob, StoreJob, TransferHandle, plan
 from kvshare.transfer.layout import KVLayout
 
@@ -33,6 +34,9 @@ class TransferOptions:
       the copies (a load's verification then costs about one slot's hash after its last copy). "host": on host
       threads from the arena, after a store's copies and while a load's run (the design before; CPU transfers
       always do this, and a CUDA transfer falls back to it for layouts whose units are not whole 8-byte words).
+    register_piece_bytes / register_threads / register_ahead: CUDA only: the arena is registered for DMA in pieces
+      of at most this many bytes (whole pages), by this many background threads from the start (ahead) or only
+      as transfers first touch them; a transfer waits only for its own pieces (kvshare.transfer.hostmem).
     """
 
     ordering: Ordering = "stream"
@@ -40,6 +44,9 @@ class TransferOptions:
     staging_slots: int = 4
     side_delay_cycles: int = 0
     checksums: ChecksumsOn = "device"
+    register_piece_bytes: int = DEFAULT_PIECE_BYTES
+    register_threads: int = DEFAULT_THREADS
+    register_ahead: bool = True
 
     def __post_init__(self):
         if self.ordering not in ("stream", "none"):
@@ -48,6 +55,8 @@ class TransferOptions:
             raise ValueError(f"checksums must be computed on 'device' or 'host', got {self.checksums!r}")
         if self.staging_slots < 2:
             raise ValueError("staging_slots must be >= 2 so that gathers overlap copies")
+        if self.register_piece_bytes <= 0 or self.register_threads < 1:
+            raise ValueError("register_piece_bytes must be positive and register_threads >= 1")
 
 
 class Transfer:

@@ -118,3 +118,30 @@ def test_device_checksums_equal_the_host_ones(arena, heads):
     pages[page_ids[1][-1], 5] ^= 0x40  # a corrupted byte in chunk 1's last page
     loaded = device.load(loads, checksums=True).checksums()
     assert loaded[1] != stored[1] and loaded[0] == stored[0] and loaded[2] == stored[2]
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+@pytest.mark.parametrize("slot_pages", [2, 4])
+def test_chunks_whose_pages_straddle_registration_pieces_are_exact(arena, ahead, slot_pages):
+    """The arena registered in pieces of 2 pages: chunks on adjacent pages that cross piece boundaries (inside one
+    staging slot and between slots) store and load byte for byte, whether the pieces were registered in the
+    background from the start or only when the transfer first needed them (then only those)."""
+    layout = KVLayout(4, 64, 16, 2, 64, torch.bfloat16)  # 8 KiB blocks, 8 units a 64 KiB page, no tail
+    layers = make_kv(layout, device="cuda")
+    pages = arena(20, PAGE)
+    options = TransferOptions(staging_bytes=slot_pages * PAGE, register_piece_bytes=2 * PAGE, register_ahead=ahead)
+    transfer = make_transfer(layout, layers, pages, options=options)
+    assert transfer.pieces.pages_per_piece == 2 and transfer.pieces.count == 10
+    page_ids = [[1, 2, 3, 4], [7, 8, 9, 10], [15, 16, 17, 14]]  # pieces 0-5, 7, 8; never 6 (pages 12-13) or 9
+    blocks = [list(range(c * 8, (c + 1) * 8)) for c in range(3)]
+    stored = transfer.store([StoreJob(b, p) for b, p in zip(blocks, page_ids)]).checksums()
+    for b, p in zip(blocks, page_ids):
+        assert np.array_equal(_stored(layout, pages, p, 8), reference_chunk(layout, layers, b))
+    targets = [list(range(32 + c * 8, 32 + (c + 1) * 8)) for c in range(3)]
+    loaded = transfer.load([LoadJob(p, t) for p, t in zip(page_ids, targets)], checksums=True)
+    for b, t in zip(blocks, targets):  # no synchronize: the current stream is ordered after the load (I5)
+        assert np.array_equal(reference_chunk(layout, layers, t), reference_chunk(layout, layers, b))
+    assert loaded.checksums() == stored
+    if ahead:
+        transfer.registration.wait_all()
+    assert transfer.registration.registered() == (10 if ahead else 8)
