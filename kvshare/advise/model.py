@@ -110,9 +110,11 @@ class CostModel:
         loaded = max(0, hit - local)
         return r.pool_fixed_s + loaded * r.kv_bytes_per_token / (r.load_gb_s * 1e9) + r.prefill.seconds(n - hit, hit)
 
-    def l2(self, n: int, hit: int, l1_hit: int = 0) -> float:
+    def l2(self, n: int, hit: int, l1_hit: int = 0, local: int = 0) -> float:
+        """Promote tokens l1_hit..hit into the pool, then a pool hit of `hit` (the engine holding `local`)."""
         r = self.rates
-        return r.l2_fixed_s + (hit - l1_hit) * r.kv_bytes_per_token / (r.l2_gb_s * 1e9) + self.pool(n, hit)
+        promoted = max(0, hit - l1_hit) * r.kv_bytes_per_token / (r.l2_gb_s * 1e9)
+        return r.l2_fixed_s + promoted + self.pool(n, hit, local)
 
     def choose(self, n: int, l1_hit: int = 0, l2_hit: int | None = None) -> Choice:
         """The fastest way to the first token of an n-token prompt whose first l1_hit tokens are in the pool and

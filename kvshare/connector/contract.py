@@ -39,6 +39,10 @@ class KVConnector(Protocol):
     def release(self, request_id: str) -> None:
         """Drop any lease still held for the request (e.g. it was aborted before load)."""
 
+    def observe_prefill(self, new_tokens: int, cached_tokens: int, seconds: float) -> None:
+        """The engine computed `new_tokens` after `cached_tokens` already in its KV cache in `seconds`: what the
+        connector's L2 promotion decision weighs a promotion against (kvshare.connector.promotion)."""
+
     def store(
         self, request_id: str, token_ids: Sequence[int], block_ids: Sequence[int], num_stored: int, salt: str = "",
         tail: bool = False,
@@ -66,3 +70,6 @@ class ConnectorStats:
     corrupt_chunks: int = 0  # loaded chunks whose bytes failed their checksum (recomputed, then DISCARDed: I11)
     discarded_chunks: int = 0  # of those, removed from the pool so that the next store replaces them
     errors: int = 0  # pool errors of any kind, each turned into a miss
+    l2_promote_chosen: int = 0  # LOOKUPs whose L2 promotion the cost model chose (faster than recompute)
+    l2_promote_declined: int = 0  # LOOKUPs whose L2 promotion the cost model declined (recompute is faster)
+    l2_promote_unmeasured: int = 0  # promoted without a decision: the rates were not measured yet

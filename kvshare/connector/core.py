@@ -33,9 +33,10 @@ from kvshare.connector.config import ConnectorConfig
 from kvshare.connector.contract import ConnectorStats, StoreHandle
 from kvshare.connector.failures import Failures
 from kvshare.connector.link import PoolLink
+from kvshare.connector.promotion import PromotionPolicy
 from kvshare.connector.storer import Storer, StoreTask
 from kvshare.keys import Namespace, PromptChunks, chunk_keys, prompt_chunks, token_bytes
-from kvshare.pool.client import NewChunk, PoolClient
+from kvshare.pool.client import LookupResult, NewChunk, PoolClient
 from kvshare.transfer import SKIP, KVLayout, LoadJob, StoreJob, Transfer, TransferOptions, arena_pages, make_transfer
 
 log = logging.getLogger("kvshare.connector")
@@ -107,6 +108,7 @@ class ConnectorCore:
         self._link = PoolLink(config, self._failures, self._on_connect)
         self._committer = Committer(self._commit, self.stats, self._failures)
         self._storer = Storer(self._store_task, self._failures)
+        self.promotion = PromotionPolicy(config.l2_promotion, config.chunk_tokens, self.stats)
 
     # ---- both halves -------------------------------------------------------------------------------------------
     def namespace(self, salt: str = "") -> Namespace:
@@ -146,9 +148,7 @@ class ConnectorCore:
         if min(plan.end(), limit) <= num_computed:
             return None
         self.stats.lookups += 1
-        # LOOKUP always starts at chunk 0 so the pool verifies the whole chain (parents and tokens) it serves.
-        found = self._link.call("lookup", lambda c: (c.lookup(namespace.key, plan.keys, plan.tokens), _instance_of(c)),
-                                namespace)
+        found = self._lookup(namespace, plan, len(token_ids), num_computed, limit)
         if found is None:
             return None
         lookup, instance = found
@@ -164,6 +164,50 @@ class ConnectorCore:
                       plan.counts[first : len(lookup.chunks)], end)
         self.stats.lookup_hit_tokens += end - num_computed
         return hit
+
+    def _lookup(self, namespace: Namespace, plan: PromptChunks, prompt_tokens: int, num_computed: int,
+                limit: int) -> tuple[LookupResult, str] | None:
+        """LOOKUP, and the L2 decision: when deciding, the pool answers from its own memory first; if that covers less
+        than the plan and the policy says promotion beats recompute, LOOKUP again letting the pool promote from L2
+        (the first answer's lease ends after the second, so the pool's prefix stays leased throughout)."""
+        policy = self.promotion
+        if policy.stats_due():
+            self._read_pool_rates()
+
+        def lookup(promote: bool):
+            # LOOKUP always starts at chunk 0 so the pool verifies the whole chain (parents and tokens) it serves.
+            return self._link.call("lookup", lambda c: (c.lookup(namespace.key, plan.keys, plan.tokens, promote),
+                                                        _instance_of(c)), namespace)
+
+        deciding = policy.deciding
+        found = lookup(not deciding)
+        if found is not None and found[0].chunks:  # the KV bytes per token the decision weighs
+            policy.observe_chunk(found[0].chunks[0].nbytes, plan.counts[0])
+        if found is None or not deciding or len(found[0].chunks) == len(plan.keys):
+            return found
+        first, _ = found
+        l1_hit = min(plan.end(len(first.chunks)), limit)
+        if limit <= max(l1_hit, num_computed):
+            return found
+        if not policy.decide(prompt_tokens, num_computed, l1_hit, limit).promote:
+            return found
+        promoted = lookup(True)
+        if promoted is None:
+            return found
+        if promoted[0].chunks:
+            policy.observe_chunk(promoted[0].chunks[0].nbytes, plan.counts[0])
+        if first.lease and promoted[1] == found[1]:  # a lease of an earlier pool life is gone already
+            self._link.call("release", lambda c: c.release(first.lease))
+        return promoted
+
+    def _read_pool_rates(self) -> None:
+        stats = self._link.call("stats", lambda c: c.stats())
+        if stats is not None:
+            self.promotion.observe_pool(stats.l2_enabled, stats.l2_promoted_bytes, stats.l2_promote_seconds)
+
+    def observe_prefill(self, new_tokens: int, cached_tokens: int, seconds: float) -> None:
+        """See KVConnector.observe_prefill: feeds the L2 promotion decision."""
+        self.promotion.observe_prefill(new_tokens, cached_tokens, seconds)
 
     def release_hit(self, hit: PoolHit) -> None:
         """End the hit's read lease. It belongs to the process (and pool life) that took it: from a newer connection

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,7 +120,11 @@ class Engine:
             return False
         if batch.is_prefill and self.pool:
             self.pool.load_prefix(batch.seqs[0])
-        self._postprocess(batch, self._run(batch.is_prefill, batch.seqs))
+        cached, started = batch.seqs[0].num_computed, time.perf_counter()
+        results = self._run(batch.is_prefill, batch.seqs)  # sampled: the device's work is over
+        if batch.is_prefill and self.pool:  # the connector's L2 decision weighs promotion against this prefill time
+            self.pool.observe_prefill(batch.seqs[0], cached, time.perf_counter() - started)
+        self._postprocess(batch, results)
         return True
 
     def _run(self, is_prefill: bool, seqs: list[Sequence]) -> list[Sampled | RowFailure]:

@@ -55,6 +55,9 @@ class PoolConnector:
             return False
         return self.core.load(hit, block_ids, num_computed)
 
+    def observe_prefill(self, new_tokens: int, cached_tokens: int, seconds: float) -> None:
+        self.core.observe_prefill(new_tokens, cached_tokens, seconds)
+
     def release(self, request_id: str) -> None:
         with self._lock:
             hit = self._hits.pop(request_id, None)

@@ -65,6 +65,11 @@ class PoolHooks:
             self.block_manager.hold(held)
             self.pending.append((handle, held))
 
+    def observe_prefill(self, seq: Sequence, cached: int, seconds: float) -> None:
+        """seq's prefill computed its tokens after the first `cached` in `seconds`."""
+        new = seq.num_tokens - cached
+        self._guard("observe", lambda: self.connector.observe_prefill(new, cached, seconds), None)
+
     def release(self, seq: Sequence) -> None:
         self._guard("release", lambda: self.connector.release(seq.request_id), None)
 

@@ -57,6 +57,7 @@ class PoolStats(msgspec.Struct):
     l2_hits: int = 0  # chunks found in L2 and verified during LOOKUPs
     l2_promotions: int = 0  # chunks copied from L2 into L1
     l2_rejected: int = 0  # L2 values refused on promotion (bad checksum, header, tokens or parent)
+    l2_enabled: bool = False  # the pool has an L2 tier (--l2)
     l2_promoted_bytes: int = 0  # bytes of the chunks promoted (their rate: l2_promoted_bytes / l2_promote_seconds)
     l2_promote_seconds: float = 0.0  # wall time of the promotions that promoted something, start to last COMMIT
     clients: int = 0

@@ -26,6 +26,10 @@ def register(cli) -> None:
     serve.add_argument("--verify-checksums", action=argparse.BooleanOptionalAction, default=True,
                        help="hash every loaded chunk on the host (up to 16 threads, while the copies run) and "
                             "recompute on a mismatch; --no-verify-checksums trusts the pool's bytes")
+    serve.add_argument("--l2-promotion", choices=("decide", "always"), default="decide",
+                       help="a pool with an L2 tier: decide = promote a prefix from L2 only where the cost model, fed "
+                            "with this replica's measured prefill times and the pool's L2 rate, says it beats "
+                            "recompute; always = every LOOKUP promotes (default: %(default)s)")
     serve.add_argument("--block-size", type=int, default=16)
     size = serve.add_mutually_exclusive_group()
     size.add_argument("--num-blocks", type=int, default=None, help="KV cache size in blocks")
@@ -94,7 +98,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         engine.set_connector(PoolConnector.for_engine(
             engine, ConnectorConfig(address=args.pool, chunk_tokens=args.chunk_tokens,
-                                    verify_checksums=args.verify_checksums)))
+                                    verify_checksums=args.verify_checksums, l2_promotion=args.l2_promotion)))
     try:
         serve(engine, tokenizer, host=args.host, port=args.port, model_name=engine.model_name,
               is_alive=engine.is_alive, connector_stats=lambda: engine.connector.stats if engine.connector else None,

@@ -25,6 +25,7 @@ class DictConnector:
         self.stats = ConnectorStats()
         self.namespace = Namespace(engine.model_fingerprint, str(engine.dtype), "test-layout", chunk_tokens).key
         self.leases: dict[str, int] = {}
+        self.prefills: list[tuple[int, int]] = []  # (new tokens, cached tokens) of each prefill the engine reported
 
     def _blocks(self, block_ids, chunk_index):
         per = self.chunk_tokens // self.engine.block_size
@@ -56,6 +57,10 @@ class DictConnector:
 
     def release(self, request_id):
         self.leases.pop(request_id, None)
+
+    def observe_prefill(self, new_tokens, cached_tokens, seconds):
+        assert seconds > 0
+        self.prefills.append((new_tokens, cached_tokens))
 
     def store(self, request_id, token_ids, block_ids, num_stored, salt="", tail=False):  # full chunks only
         keys = chunk_keys(self.namespace, token_ids, self.chunk_tokens)
@@ -135,6 +140,21 @@ def test_cross_engine_pool_hits_give_identical_tokens(make_engine):
         wait_for_stores(engine)
         engine.block_manager.check_integrity()
         assert engine.block_manager.num_free == engine.num_blocks
+
+
+def test_engine_reports_each_prefill_to_its_connector(make_engine):
+    """What the connector's L2 decision learns this replica's prefill speed from: tokens computed after those
+    already cached (a pool hit's), and the time."""
+    pool: dict = {}
+    a, b = make_engine(), make_engine()
+    for engine in (a, b):
+        engine.set_connector(RecordingDictConnector(engine, pool))
+    p = prompt(100, 5)
+    generate(a, [GenerationRequest("a1", p, GREEDY)])
+    wait_for_stores(a)
+    generate(b, [GenerationRequest("b1", p, GREEDY)])
+    assert a.connector.prefills == [(100, 0)]
+    assert b.connector.prefills == [(4, 96)]  # 96 tokens loaded from the pool, the last 4 computed
 
 
 def test_failing_connector_changes_nothing(make_engine):

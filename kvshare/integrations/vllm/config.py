@@ -21,7 +21,7 @@ log = logging.getLogger("vllm.kvshare")  # under vLLM's logger, so its handlers 
 
 # vLLM's resolved KVCacheLayout name -> the kvshare.transfer kind that reads it (see the package docstring).
 LAYOUT_KINDS = {"LBHNC": "vllm_lbhnc", "LBNHC": "vllm_lbnhc"}
-_EXTRA_KEYS = {"pool", "chunk_tokens", "timeout", "verify_checksums", "model_id"}
+_EXTRA_KEYS = {"pool", "chunk_tokens", "timeout", "verify_checksums", "model_id", "l2_promotion"}
 
 
 def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
@@ -38,6 +38,7 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
         chunk_tokens=int(extra.get("chunk_tokens", 256)),
         timeout=float(extra.get("timeout", 5.0)),
         verify_checksums=bool(extra.get("verify_checksums", True)),
+        l2_promotion=str(extra.get("l2_promotion", "decide")),  # "always": every LOOKUP promotes from L2
     )
 
 

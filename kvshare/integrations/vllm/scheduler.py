@@ -14,6 +14,8 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from dataclasses import dataclass, replace
 
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -34,6 +36,12 @@ class _Hit:
     accepted: int = 0  # tokens vLLM allocated for (update_state_after_alloc)
 
 
+@dataclass(frozen=True)
+class _Step:
+    started: float  # perf_counter() when the step was planned (build)
+    prefill: tuple[int, int] | None  # (new tokens, cached tokens) when the step ran one prefill and nothing else
+
+
 class SchedulerSide:
     def __init__(self, core: ConnectorCore, block_size: int):
         self.core, self.block_size, self.chunk = core, block_size, core.chunk_tokens
@@ -44,6 +52,9 @@ class SchedulerSide:
         self._stored: dict[str, int] = {}  # tokens whose chunks were sent for storing
         self._store_sent: set[str] = set()
         self._prompt_stored: set[str] = set()  # requests whose prompt store (with its tail) was sent
+        # Steps planned and not yet reported, oldest first: vLLM reports a step's output (update_connector_output)
+        # once it ran, in order, so the oldest pending step is the one reported. Bounded, should a report be missed.
+        self._steps: deque[_Step] = deque(maxlen=8)
 
     # ---- lookups -------------------------------------------------------------------------------------------
     def matched(self, request: Request, num_computed: int) -> int:
@@ -69,6 +80,7 @@ class SchedulerSide:
             self._to_load[request.request_id] = replace(found, accepted=num_external_tokens)
 
     def worker_reported(self, meta: KVShareWorkerMetadata | None) -> None:
+        self._step_over()
         for rid in meta.loaded if meta else ():
             hit = self._loading.pop(rid, None)
             if hit is not None:
@@ -76,6 +88,7 @@ class SchedulerSide:
 
     # ---- the step's plan -----------------------------------------------------------------------------------
     def build(self, output: SchedulerOutput, kv_cache_manager: KVCacheManager) -> KVShareMetadata:
+        self._steps.append(_Step(time.perf_counter(), self._lone_prefill(output)))
         meta = KVShareMetadata(preempted=sorted(output.preempted_req_ids or ()))
         for rid, found in self._to_load.items():
             blocks = list(kv_cache_manager.get_block_ids(rid)[0])
@@ -87,6 +100,23 @@ class SchedulerSide:
             if spec is not None:
                 meta.stores.append(spec)
         return meta
+
+    def _lone_prefill(self, output: SchedulerOutput) -> tuple[int, int] | None:
+        """(tokens scheduled, tokens computed before) of the step's prefill, if it schedules exactly one request and
+        that request is prefilling: only then is the step's time that prefill's (what the L2 decision learns from)."""
+        if len(output.num_scheduled_tokens) != 1:
+            return None
+        ((rid, scheduled),) = output.num_scheduled_tokens.items()
+        request = self._requests.get(rid)
+        if request is None or request.num_computed_tokens >= request.num_prompt_tokens:
+            return None
+        return scheduled, request.num_computed_tokens
+
+    def _step_over(self) -> None:
+        if self._steps:
+            step = self._steps.popleft()
+            if step.prefill is not None:
+                self.core.observe_prefill(*step.prefill, time.perf_counter() - step.started)
 
     def _store_spec(self, rid: str, scheduled: int, kv_cache_manager: KVCacheManager) -> StoreSpec | None:
         request = self._requests.get(rid)

@@ -167,6 +167,7 @@ class L2Tier:
     # ---- observation and shutdown ------------------------------------------------------------------------------
 
     def fill(self, stats) -> None:
+        stats.l2_enabled = True
         for name, value in self.counters.snapshot().items():
             setattr(stats, name, value)
 
