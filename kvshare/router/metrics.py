@@ -13,7 +13,8 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "kvshare_router_requests", "requests a replica answered (any status)", ["replica"], registry=self.registry
+            "kvshare_router_requests", "requests a replica answered, by the HTTP status it answered (a 5xx retried on "
+            "another replica counts here too)", ["replica", "status"], registry=self.registry
         )
         self.errors = Counter(
             "kvshare_router_errors",

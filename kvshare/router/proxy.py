@@ -112,7 +112,7 @@ class Proxy:
         except httpx.HTTPError as error:
             await response.aclose()
             return self._failed_connect(replica, f"died before its first byte: {type(error).__name__}: {error}")
-        self.metrics.requests.labels(replica.url).inc()
+        self.metrics.requests.labels(replica.url, str(response.status_code)).inc()
         self.metrics.first_byte_seconds.labels(replica.url).observe(time.perf_counter() - started)
         return Answered(replica, response, chunks, first, started)
 
@@ -143,7 +143,7 @@ class Proxy:
             await response.aclose()
         replica.in_flight -= 1
         self.metrics.in_flight.labels(replica.url).dec()
-        self.metrics.requests.labels(replica.url).inc()
+        self.metrics.requests.labels(replica.url, str(response.status_code)).inc()
         self.metrics.errors.labels(replica.url, "status_5xx").inc()
         headers = response_headers(response, replica)
         return Failed(replica, f"HTTP {response.status_code}", response.status_code, headers, body)
