@@ -1,4 +1,5 @@
-# Two jobs for a newcomer: `make demo` and `make test`. Each sets up .venv first (CPU torch, pinned).
+# Two jobs for a newcomer: `make demo` and `make test`. Each sets up .venv first: kvshare with every extra the tests
+# use (engine: torch, pinned to the 2.13.0 CPU build installed just before; l2: redis; dev), editable.
 PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
@@ -10,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q torch==2.13.0
-	$(VENV)/bin/pip install -q -e '.[dev]'
+	$(VENV)/bin/pip install -q -e '.[engine,l2,dev]'
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 setup: $(STAMP)

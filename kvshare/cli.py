@@ -18,6 +18,8 @@ COMMAND_MODULES = (
     "kvshare.validate.cli",  # kvshare validate transfer|service|soak|hostile
     "kvshare.advise.cli",  # kvshare advise
 )
+# The optional dependencies a command may need, by the top-level module it imports, and the extra that brings it.
+EXTRAS = {"torch": "engine", "redis": "l2", "vllm": "vllm"}
 GROUPS = {
     "pool": "the shared host-memory KV pool",
     "validate": "correctness checks: byte-exact transfers, service regression",
@@ -54,7 +56,34 @@ def build() -> CommandLine:
                 raise  # a missing dependency, not a part of kvshare that is absent
             continue
         module.register(cli)
+    show_defaults(cli.parser)
     return cli
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every option's help ends with its default, unless its text already says it: `(default: 8000)`; a flag that is
+    off unless given shows `(default: off)`, an option with no value `(default: none)`. Required options and help
+    texts that name a default themselves are left as written."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                show_defaults(subparser)
+            continue
+        help_text = action.help or ""
+        if (not action.option_strings or action.required or action.default is argparse.SUPPRESS
+                or "default" in help_text.lower()):
+            continue
+        action.help = f"{help_text} (default: {_shown_default(action)})".lstrip()
+
+
+def _shown_default(action: argparse.Action) -> str:
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return "on" if action.default else "off"
+    if action.nargs == 0:  # store_true / store_false: the default is the flag not given
+        return "off" if action.default in (False, None) else "on"
+    if action.default in (None, "", []):
+        return "none"
+    return "%(default)s"  # argparse fills it in (and escapes nothing else in the text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,6 +100,14 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as error:
+        missing = (error.name or "").partition(".")[0]
+        if missing not in EXTRAS:
+            raise
+        command = " ".join(filter(None, ("kvshare", args.command, getattr(args, "subcommand", None))))
+        print(f"{command}: needs {missing}, which is not installed here: pip install 'kvshare[{EXTRAS[missing]}]'",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -88,6 +88,8 @@ def _serve(args: argparse.Namespace) -> int:
     from kvshare.pool.server import serve
     from kvshare.units import parse_size
 
+    if args.l2:
+        import redis  # noqa: F401  (without the [l2] extra this fails now, before the arena exists: kvshare.cli says so)
     try:
         token = open(args.token_file).read().strip() if args.token_file else ""
         config = PoolConfig(

@@ -230,9 +230,8 @@ def _open_socket(address: str, timeout: float) -> socket.socket:
     else:
         target, family = address.removeprefix("unix:"), socket.AF_UNIX
         if not os.path.exists(target):
-            raise PoolUnavailable(
-                f"pool socket {target} not found: start `kvshare pool serve --socket {target}` or pass --pool none"
-            )
+            # No command's own way out here (a replica's --pool none, a connector's config): each caller adds its own.
+            raise PoolUnavailable(f"pool socket {target} not found: is `kvshare pool serve --socket {target}` running?")
     sock = socket.socket(family, socket.SOCK_STREAM)
     if family == socket.AF_UNIX:
         # A 1 MiB LOOKUP then goes out in one send instead of ~5 rounds of filling the 208 KiB default buffer and

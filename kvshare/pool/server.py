@@ -284,7 +284,12 @@ def announce(message: str) -> None:
 
 
 def prepare_socket(path: str) -> None:
-    """Remove a stale socket file; refuse if a live pool answers on it, or if the path is not a socket at all."""
+    """Remove a stale socket file; refuse if a live pool answers on it, if the path is not a socket at all, or if its
+    directory is missing (bind's bare `[Errno 2]` would not say which)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise RuntimeError(f"socket directory {directory} does not exist: create it (mkdir -p {directory}) or pass "
+                           "another --socket")
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:

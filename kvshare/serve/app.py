@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from typing import AsyncIterator, Awaitable, Callable
 
@@ -180,12 +181,14 @@ def serve(engine: EngineProtocol, tokenizer: TokenizerProtocol, *, host: str, po
           is_alive: Callable[[], bool] | None = None,
           connector_stats: Callable[[], ConnectorStats | None] | None = None,
           engine_load: Callable[[], EngineLoad] | None = None,
-          limits: RequestLimits = RequestLimits(), http_limits: HttpLimits = HttpLimits()) -> None:
-    """Serves until SIGINT/SIGTERM (blocking), under `http_limits` (kvshare.httpguard). The caller owns the engine and
-    shuts it down afterwards."""
+          limits: RequestLimits = RequestLimits(), http_limits: HttpLimits = HttpLimits(),
+          sock: socket.socket | None = None) -> None:
+    """Serves until SIGINT/SIGTERM (blocking), under `http_limits` (kvshare.httpguard), on `sock` when given (bound
+    by kvshare.httpguard.serve.reserve_port before the engine loaded). The caller owns the engine and shuts it down
+    afterwards."""
     from kvshare.httpguard.serve import serve as serve_http
 
     app = create_app(engine, tokenizer, model_name, is_alive=is_alive, connector_stats=connector_stats,
                      engine_load=engine_load, limits=limits)
     log.info("serving %s on http://%s:%d", model_name, host, port)
-    serve_http(app, host, port, http_limits)
+    serve_http(app, host, port, http_limits, sock=sock)

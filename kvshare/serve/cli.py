@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
+from pathlib import Path
 
 from kvshare.httpguard.limits import add_flags as add_http_limit_flags
 
@@ -19,8 +21,10 @@ def register(cli) -> None:
     serve.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     serve.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                        help="default: float32 on cpu, bfloat16 on cuda")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000,
+                       help="port to listen on (default: %(default)s, which is also `kvshare route`'s: behind a "
+                            "router, run the replicas on other ports, e.g. 8001 and 8002)")
     serve.add_argument("--pool", default="none", help="the pool's socket path, or none (cache OFF)")
     serve.add_argument("--chunk-tokens", type=int, default=256, help="pool chunk size (a multiple of --block-size)")
     serve.add_argument("--verify-checksums", action=argparse.BooleanOptionalAction, default=True,
@@ -30,20 +34,26 @@ def register(cli) -> None:
                        help="a pool with an L2 tier: decide = promote a prefix from L2 only where the cost model, fed "
                             "with this replica's measured prefill times and the pool's L2 rate, says it beats "
                             "recompute; always = every LOOKUP promotes (default: %(default)s)")
-    serve.add_argument("--block-size", type=int, default=16)
+    serve.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     size = serve.add_mutually_exclusive_group()
-    size.add_argument("--num-blocks", type=int, default=None, help="KV cache size in blocks")
-    size.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 4GiB")
-    serve.add_argument("--max-model-len", type=int, default=None)
+    size.add_argument("--num-blocks", type=int, default=None,
+                      help="KV cache size in blocks (default: from --kv-cache-memory)")
+    size.add_argument("--kv-cache-memory", default=None,
+                      help="KV cache size, e.g. 4GiB (default: on cpu, four --max-model-len sequences' worth, at most "
+                           "2GiB; on cuda, the free GPU memory less what a longest prefill needs)")
+    serve.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt plus answer, in tokens (default: the model's max_position_embeddings)")
     serve.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per chunk of prefill's token-wise work")
     serve.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together")
-    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name clients send and /v1/models lists (default: the model folder's name)")
     serve.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
     serve.add_argument("--model-id", default="",
                        help="a name for these exact weights (e.g. a repository revision), added to the model identity "
                             "that decides which replicas share KV; the weights' bytes are always hashed too "
                             "(default: none)")
-    serve.add_argument("--threads", type=int, default=None, help="torch CPU threads (pin both arms of a benchmark)")
+    serve.add_argument("--threads", type=int, default=None,
+                       help="torch CPU threads; pin both arms of a benchmark (default: torch's choice, one per core)")
     serve.add_argument("--max-stop-strings", type=int, default=16, metavar="N",
                        help="most stop strings one request may send (default: %(default)s)")
     serve.add_argument("--max-stop-chars", type=int, default=256, metavar="N",
@@ -73,6 +83,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvshare.engine.engine import Engine
     from kvshare.hf.tokenizer import Tokenizer
     from kvshare.httpguard.limits import from_args as http_limits_from_args
+    from kvshare.httpguard.serve import reserve_port
     from kvshare.serve.app import serve
 
     if args.threads:
@@ -87,11 +98,21 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         limits, http_limits = request_limits(args), http_limits_from_args(args)
-    except ValueError as error:
-        log.error("kvshare serve: %s", error)
+        check_model_folder(args.model)
+        # Bound before the model loads (seconds to minutes): a busy port fails now, and "serving on" is never logged
+        # for a port this server does not hold.
+        sock = reserve_port(args.host, args.port)
+    except (ValueError, OSError) as error:
+        print(f"kvshare serve: {error}", file=sys.stderr)
         return 2
-    tokenizer = Tokenizer.from_dir(args.model)
-    engine = Engine(engine_config(args))
+    warn_if_pool_absent(args.pool)
+    try:
+        tokenizer = Tokenizer.from_dir(args.model)
+        engine = Engine(engine_config(args))
+    except (ValueError, OSError) as error:
+        sock.close()
+        print(f"kvshare serve: cannot load the model in {args.model}: {error}", file=sys.stderr)
+        return 2
     if args.pool != "none":
         from kvshare.connector import ConnectorConfig
         from kvshare.engine.pool_connector import PoolConnector
@@ -102,10 +123,30 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         serve(engine, tokenizer, host=args.host, port=args.port, model_name=engine.model_name,
               is_alive=engine.is_alive, connector_stats=lambda: engine.connector.stats if engine.connector else None,
-              engine_load=engine.load, limits=limits, http_limits=http_limits)
+              engine_load=engine.load, limits=limits, http_limits=http_limits, sock=sock)
     finally:
         engine.shutdown()
     return 0
+
+
+def check_model_folder(model: str) -> None:
+    """A missing or foreign --model is one line naming the fix, not a traceback from deep in the loader."""
+    folder = Path(model)
+    if not folder.is_dir():
+        raise ValueError(f"model folder {model} not found: pass a Hugging Face model folder (config.json, weights, "
+                         f"tokenizer.json), or make one with `kvshare make-model --preset small --out {model}`")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{model} has no config.json: --model takes a Hugging Face model folder")
+
+
+def warn_if_pool_absent(pool: str) -> None:
+    """The replica serves without a pool (cache OFF) and attaches when the pool appears; say so once, with the two
+    ways out, since a typo in --pool would otherwise only show as no pool hits."""
+    path = pool.removeprefix("unix:")
+    if pool == "none" or pool.startswith("tcp://") or os.path.exists(path):
+        return
+    log.warning("pool socket %s not found: serving with the cache OFF until `kvshare pool serve --socket %s` runs "
+                "(or pass --pool none to run without a pool)", path, path)
 
 
 def request_limits(args: argparse.Namespace):

@@ -29,7 +29,7 @@ def test_bad_replica_lists_are_refused_with_a_hint(replicas, message):
 
 def test_route_without_replicas_exits_2_with_the_fix():
     result = subprocess.run([sys.executable, "-m", "kvshare.cli", "route"], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "--replica URL" in result.stdout
+    assert result.returncode == 2 and "--replica URL" in result.stderr
 
 
 def test_overhead_bench_writes_json_and_markdown(tmp_path):
