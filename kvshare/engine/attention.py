@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from kvshare.engine.kv_quant import UNIT, KVScales, from_cache, is_quantized, to_cache
+
 # Bound on the expanded K+V temporaries of one KV-head group during prefill attention (bytes). Groups are processed
 # one after the other, so the whole sequence's attention never materialises K/V for every query head at once.
 GROUP_KV_BUDGET = 1 << 30
@@ -22,18 +24,30 @@ def slot_indices(block_table: torch.Tensor, start: int, end: int, block_size: in
     return block_table[positions // block_size], positions % block_size
 
 
-def write_kv(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Scatter k, v ([T, kv_heads, D]) into their slots."""
+def write_kv(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             scales: KVScales = UNIT):
+    """Scatter k, v ([T, kv_heads, D], compute dtype) into their slots, quantized if the cache is fp8."""
+    if is_quantized(cache):
+        raw = cache.view(torch.uint8)
+        raw[blocks, 0, offsets] = to_cache(k, cache.dtype, scales.k).view(torch.uint8)
+        raw[blocks, 1, offsets] = to_cache(v, cache.dtype, scales.v).view(torch.uint8)
+        return
     cache[blocks, 0, offsets] = k
     cache[blocks, 1, offsets] = v
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, heads: slice) -> tuple[torch.Tensor, ...]:
-    """K and V of positions [0, length) for the KV heads `heads`, each [length, h, D] (a contiguous copy)."""
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, heads: slice,
+              dtype: torch.dtype | None = None, scales: KVScales = UNIT) -> tuple[torch.Tensor, ...]:
+    """K and V of positions [0, length) for the KV heads `heads`, each [length, h, D] (a contiguous copy), in `dtype`
+    (default: the cache's; an fp8 cache is dequantized with `scales`)."""
     block_size = cache.shape[2]
     blocks = block_table[: (length + block_size - 1) // block_size]
-    k = cache[blocks, 0, :, heads].flatten(0, 1)[:length]  # (nb * bs, h, D) -> (length, h, D)
-    v = cache[blocks, 1, :, heads].flatten(0, 1)[:length]
+    store = cache.view(torch.uint8) if is_quantized(cache) else cache
+    k = store[blocks, 0, :, heads].flatten(0, 1)[:length]  # (nb * bs, h, D) -> (length, h, D)
+    v = store[blocks, 1, :, heads].flatten(0, 1)[:length]
+    if store is not cache:
+        k = from_cache(k.view(cache.dtype), dtype or cache.dtype, scales.k)
+        v = from_cache(v.view(cache.dtype), dtype or cache.dtype, scales.v)
     return k, v
 
 
@@ -43,8 +57,10 @@ def _expand(kv: torch.Tensor, queries_per_kv: int) -> torch.Tensor:
     return kv[:, :, None, :].expand(s, h, queries_per_kv, d).reshape(s, h * queries_per_kv, d).transpose(0, 1)[None]
 
 
-def prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, start: int, scale: float):
-    """Causal attention of queries at positions [start, start + T) over K/V [0, start + T) read from the cache.
+def prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, start: int, scale: float,
+                      scales: KVScales = UNIT):
+    """Causal attention of queries at positions [start, start + T) over K/V [0, start + T) read from the cache (an fp8
+    cache dequantized to q's dtype with `scales`, one KV-head group at a time).
 
     q: (T, num_heads, D), roped; overwritten in place with the attention output, one KV-head group at a time, so the
     only full-sequence buffer is q itself. Two forms, chosen by which is cheaper on an H200:
@@ -69,7 +85,7 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.T
     mask = None if square else causal_lower_right(t, total)
     for g0 in range(0, num_kv_heads, group):
         g1 = min(num_kv_heads, g0 + group)
-        k, v = gather_kv(cache, block_table, total, slice(g0, g1))
+        k, v = gather_kv(cache, block_table, total, slice(g0, g1), q.dtype, scales)
         qg = q[:, g0 * per_kv : g1 * per_kv].transpose(0, 1)[None]  # (1, hq, T, D)
         if square:
             if start:  # rows for the cached positions: their outputs are dropped below
@@ -83,9 +99,9 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.T
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: list[torch.Tensor], lengths: list[int],
-                     scale: float) -> torch.Tensor:
+                     scale: float, scales: KVScales = UNIT) -> torch.Tensor:
     """One query per sequence (its newest token, at position length - 1) over that sequence's whole K/V, per KV-head
     group as in prefill; q: (B, num_heads, D), overwritten with the output and returned."""
     for i, (table, length) in enumerate(zip(block_tables, lengths)):
-        prefill_attention(q[i : i + 1], cache, table, length - 1, scale)
+        prefill_attention(q[i : i + 1], cache, table, length - 1, scale, scales)
     return q

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvshare.engine.kv_quant import kv_cache_dtype
 from kvshare.hf.config import DTYPE_BYTES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # as DTYPE_BYTES
@@ -28,6 +29,7 @@ class EngineConfig:
     seed: int = 0  # dummy weights' seed
     served_model_name: str | None = None
     model_id: str = ""  # added to the model identity (e.g. a repository revision), never instead of the weights' hash
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3 with per-tensor scales
 
     def __post_init__(self):
         if self.load_format not in ("auto", "dummy"):
@@ -36,6 +38,12 @@ class EngineConfig:
             raise ValueError(f"dtype {self.dtype!r} unknown: use one of {', '.join(DTYPE_BYTES)}")
         if self.block_size <= 0 or self.prefill_chunk <= 0:
             raise ValueError("block_size and prefill_chunk must be positive")
+        kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype)  # raises, naming the accepted values
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype (kvshare.engine.kv_quant)."""
+        return kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -69,6 +69,7 @@ class Engine:
     num_kv_heads = property(lambda self: self.model_config.num_kv_heads)
     head_size = property(lambda self: self.model_config.head_dim)
     dtype = property(lambda self: self.runner.dtype)
+    kv_dtype = property(lambda self: self.runner.kv_dtype)  # the cache's: dtype, or fp8 (--kv-cache-dtype)
     device = property(lambda self: self.runner.device)
 
     def set_connector(self, connector: KVConnector | None) -> None:

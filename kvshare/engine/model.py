@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvshare.engine.attention import decode_attention, prefill_attention, slot_indices, write_kv
+from kvshare.engine.kv_quant import UNIT
 from kvshare.hf.config import ModelConfig, RopeConfig
 
 
@@ -87,6 +88,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.qk_norm = c.qk_norm
+        self.kv_scales = UNIT  # an fp8 cache's per-tensor scales (the loader sets the checkpoint's; kv_quant.py)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x (T, hidden) -> roped q (T, heads, D), roped k (T, kv_heads, D), v (T, kv_heads, D)."""
@@ -126,8 +128,8 @@ class DecoderLayer(nn.Module):
         for s in range(0, t, chunk):
             e = min(t, s + chunk)
             q[s:e], k, v = attn.qkv(self.input_layernorm(h[s:e]), cos[s:e], sin[s:e])
-            write_kv(cache, blocks[s:e], offsets[s:e], k, v)
-        prefill_attention(q, cache, block_table, start, attn.scale)
+            write_kv(cache, blocks[s:e], offsets[s:e], k, v, attn.kv_scales)
+        prefill_attention(q, cache, block_table, start, attn.scale, attn.kv_scales)
         q = q.view(t, -1)
         for s in range(0, t, chunk):
             e = min(t, s + chunk)
@@ -139,8 +141,8 @@ class DecoderLayer(nn.Module):
         same in every layer); each sequence's K/V spans [0, position]."""
         attn = self.self_attn
         q, k, v = attn.qkv(self.input_layernorm(h), cos, sin)
-        write_kv(cache, *slots, k, v)
-        out = decode_attention(q, cache, block_tables, [p + 1 for p in positions], attn.scale)
+        write_kv(cache, *slots, k, v, attn.kv_scales)
+        out = decode_attention(q, cache, block_tables, [p + 1 for p in positions], attn.scale, attn.kv_scales)
         h = h + attn.o_proj(out.flatten(1))
         return h + self.mlp(self.post_attention_layernorm(h))
 

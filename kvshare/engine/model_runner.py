@@ -31,12 +31,13 @@ class ModelRunner:
         self.model_config = model_config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
+        self.kv_dtype = config.torch_kv_dtype  # the model's dtype, or fp8 (kv_quant.py)
         loaded = load_model(config.model, config.load_format, self.device, self.dtype, config.seed, config.model_id)
         self.model, self.model_fingerprint = loaded.model, loaded.fingerprint
         self.rotary = Rotary(model_config, self.device, self.dtype)
         self.num_blocks = self._num_blocks()
         shape = (self.num_blocks, 2, config.block_size, model_config.num_kv_heads, model_config.head_dim)
-        whole = torch.zeros((model_config.num_layers, *shape), device=self.device, dtype=self.dtype)
+        whole = torch.zeros((model_config.num_layers, *shape), device=self.device, dtype=self.kv_dtype)
         self.kv_caches = list(whole.unbind(0))
         log.info("KV cache: %d blocks of %d tokens (%s) on %s", self.num_blocks, config.block_size,
                  format_size(self.num_blocks * self.block_bytes), self.device)
@@ -44,7 +45,8 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block across all layers."""
-        return self.config.block_size * self.model_config.kv_bytes_per_token(self.config.dtype)
+        m = self.model_config
+        return self.config.block_size * m.num_layers * 2 * m.num_kv_heads * m.head_dim * self.kv_dtype.itemsize
 
     def _num_blocks(self) -> int:
         c, m = self.config, self.model_config
@@ -56,7 +58,7 @@ class ModelRunner:
             budget = torch.cuda.mem_get_info(self.device)[0] - self._activation_reserve()
         else:
             max_len = c.max_model_len or m.max_position
-            budget = min(CPU_DEFAULT_KV_BYTES, 4 * max_len * m.kv_bytes_per_token(self.config.dtype))
+            budget = min(CPU_DEFAULT_KV_BYTES, 4 * max_len * self.block_bytes // c.block_size)
         num_blocks = budget // self.block_bytes
         if num_blocks < 1:
             raise ValueError(f"no room for a KV cache ({format_size(budget)}): pass --num-blocks or --kv-cache-memory")

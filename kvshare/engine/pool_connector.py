@@ -27,9 +27,12 @@ class PoolConnector:
         from kvshare.transfer import KVLayout
 
         layout = KVLayout.from_tensors(engine.kv_caches, kind="packed_kv", block_size=engine.block_size)
+        dtype = str(engine.dtype).removeprefix("torch.")
+        if engine.kv_dtype != engine.dtype:  # an fp8 cache: KV bytes of another kind (the layout id differs too)
+            dtype += "/kv=" + str(engine.kv_dtype).removeprefix("torch.")
         namespace = Namespace(
             model_fingerprint=engine.model_fingerprint,
-            dtype=str(engine.dtype).removeprefix("torch."),
+            dtype=dtype,
             layout_id=layout.layout_id(),
             chunk_tokens=config.chunk_tokens,
         )

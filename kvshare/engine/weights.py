@@ -14,6 +14,7 @@ import torch
 import xxhash
 from safetensors import safe_open
 
+from kvshare.engine.kv_quant import KVScales
 from kvshare.engine.model import CausalLM
 from kvshare.hf.config import ModelConfig
 from kvshare.identity import TensorDigests, generator_identity, model_fingerprint
@@ -84,13 +85,32 @@ def load_model(model_dir: str | Path, load_format: str, device, dtype, seed: int
     else:
         with TensorDigests() as digests:
             state = read_safetensors(model_dir, names, device, dtype, digests)
+            # fp32 on the host (never rounded to the model's dtype); hashed like every tensor read, so replicas with
+            # other scales (other fp8 bytes for the same KV) have other identities.
+            scales = read_safetensors(model_dir, set(kv_scale_names(config.num_layers)), "cpu", torch.float32,
+                                      digests)
             weights = digests.hexdigest()
     missing = sorted(names - state.keys())
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {missing[:3]}: "
                          "is config.json the checkpoint's own?")
     model.load_state_dict(state, assign=True, strict=True)
+    if load_format != "dummy":
+        set_kv_scales(model, scales)
     return LoadedModel(model.eval().requires_grad_(False), model_fingerprint(config_bytes, weights, model_id))
+
+
+def kv_scale_names(num_layers: int) -> list[str]:
+    """The checkpoint tensors that hold an fp8 KV cache's per-tensor scales (as llm-compressor writes them)."""
+    return [f"model.layers.{i}.self_attn.{which}_scale" for i in range(num_layers) for which in ("k", "v")]
+
+
+def set_kv_scales(model: CausalLM, scales: dict[str, torch.Tensor]) -> None:
+    """Each layer's KVScales from the checkpoint's scalars; 1.0 where it has none (vLLM's default)."""
+    for i, layer in enumerate(model.model.layers):
+        k, v = (scales.get(f"model.layers.{i}.self_attn.{which}_scale") for which in ("k", "v"))
+        layer.self_attn.kv_scales = KVScales(1.0 if k is None else float(k.reshape(-1)[0]),
+                                             1.0 if v is None else float(v.reshape(-1)[0]))
 
 
 def dummy_weights_identity(seed: int, dtype: torch.dtype, device: torch.device) -> str:

@@ -35,6 +35,18 @@ def register(cli) -> None:
                             "with this replica's measured prefill times and the pool's L2 rate, says it beats "
                             "recompute; always = every LOOKUP promotes (default: %(default)s)")
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    serve.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"), default="auto",
+                       help="the KV cache's dtype: auto = the model's (--dtype); fp8 = e4m3 with per-tensor scales "
+                            "(the checkpoint's self_attn.k_scale/v_scale, else 1.0): half the bytes to keep and move; "
+                            "fp8 and other replicas never share pool chunks (default: %(default)s)")
+    serve.add_argument("--register-piece", default="16GiB",
+                       help="CUDA: register the pool's arena for DMA in pieces of at most this size, in the "
+                            "background; a transfer waits only for its own pieces (default: %(default)s)")
+    serve.add_argument("--register-threads", type=int, default=4,
+                       help="CUDA: threads registering arena pieces (default: %(default)s)")
+    serve.add_argument("--register-ahead", action=argparse.BooleanOptionalAction, default=True,
+                       help="CUDA: register every piece from the start; --no-register-ahead registers only the "
+                            "pieces transfers touch, when they first do (default: on)")
     size = serve.add_mutually_exclusive_group()
     size.add_argument("--num-blocks", type=int, default=None,
                       help="KV cache size in blocks (default: from --kv-cache-memory)")
@@ -74,7 +86,21 @@ def engine_config(args: argparse.Namespace):
         kv_cache_memory=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
         max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk, max_num_seqs=args.max_num_seqs,
         seed=args.seed, served_model_name=args.served_model_name, model_id=args.model_id,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
+
+
+def connector_config(args: argparse.Namespace):
+    """The pool connector's settings from the flags; raises ValueError on a bad size or thread count."""
+    from kvshare.connector import ConnectorConfig
+    from kvshare.units import parse_size
+
+    piece = parse_size(args.register_piece)
+    if piece <= 0 or args.register_threads < 1:
+        raise ValueError("--register-piece must be positive and --register-threads >= 1")
+    return ConnectorConfig(address=args.pool, chunk_tokens=args.chunk_tokens, verify_checksums=args.verify_checksums,
+                           register_piece=piece, register_threads=args.register_threads,
+                           register_ahead=args.register_ahead, l2_promotion=args.l2_promotion)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -98,6 +124,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         limits, http_limits = request_limits(args), http_limits_from_args(args)
+        connector = connector_config(args) if args.pool != "none" else None
         check_model_folder(args.model)
         # Bound before the model loads (seconds to minutes): a busy port fails now, and "serving on" is never logged
         # for a port this server does not hold.
@@ -113,13 +140,10 @@ def run_serve(args: argparse.Namespace) -> int:
         sock.close()
         print(f"kvshare serve: cannot load the model in {args.model}: {error}", file=sys.stderr)
         return 2
-    if args.pool != "none":
-        from kvshare.connector import ConnectorConfig
+    if connector is not None:
         from kvshare.engine.pool_connector import PoolConnector
 
-        engine.set_connector(PoolConnector.for_engine(
-            engine, ConnectorConfig(address=args.pool, chunk_tokens=args.chunk_tokens,
-                                    verify_checksums=args.verify_checksums, l2_promotion=args.l2_promotion)))
+        engine.set_connector(PoolConnector.for_engine(engine, connector))
     try:
         serve(engine, tokenizer, host=args.host, port=args.port, model_name=engine.model_name,
               is_alive=engine.is_alive, connector_stats=lambda: engine.connector.stats if engine.connector else None,
