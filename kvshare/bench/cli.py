@@ -84,6 +84,17 @@ def register_micro(cli) -> None:
     l2.add_argument("--json", default="", metavar="PATH", help="write the results as JSON")
     l2.add_argument("--md", default="", metavar="PATH", help="write the results as a Markdown table")
     l2.set_defaults(run=_l2)
+    decision = cli.command("l2-decision", "the connector's L2 decision on a mix of prompt lengths: replicas with the "
+                           "decision on and off against recompute, L2 behind a throttled link", group="bench")
+    decision.add_argument("--model-dir", type=Path, required=True, help="model folder of the replicas")
+    decision.add_argument("--lengths", default="512,1k,2k,3k,4000", help="prompt lengths (default 512,1k,2k,3k,4000)")
+    decision.add_argument("--reps", type=int, default=3, help="fresh documents per length (default 3)")
+    decision.add_argument("--l2-rate", default="4MB", help="bytes per second of the link to L2 (default 4MB)")
+    decision.add_argument("--promote-timeout", type=float, default=4.0,
+                          help="the far pools' --l2-promote-timeout in seconds (default 4)")
+    decision.add_argument("--threads", type=int, default=1, help="--threads of every replica (default 1)")
+    decision.add_argument("--out", type=Path, required=True, help="output folder (l2-decision.md/.json/.png)")
+    decision.set_defaults(run=_l2_decision)
 
 
 def _deployment_flags(parser: argparse.ArgumentParser) -> None:
@@ -198,6 +209,21 @@ def _l2(args: argparse.Namespace) -> int:
                            cluster=args.cluster, masters=args.masters, connections=args.connections,
                            command=" ".join(["kvshare", *sys.argv[1:]]))
     return run_bench(config, json_path=args.json, md_path=args.md)
+
+
+def _l2_decision(args: argparse.Namespace) -> int:
+    from kvshare.bench.l2_decision import DecisionBenchConfig, run_bench
+    from kvshare.bench.workload import parse_lengths
+    from kvshare.units import parse_size
+
+    try:
+        config = DecisionBenchConfig(args.model_dir, tuple(n for _, n in parse_lengths(args.lengths)), args.reps,
+                                     float(parse_size(args.l2_rate)), args.out, " ".join(["kvshare", *sys.argv[1:]]),
+                                     threads=args.threads, promote_timeout=args.promote_timeout)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return run_bench(config)
 
 
 def _router_overhead(args: argparse.Namespace) -> int:

@@ -1,5 +1,5 @@
-"""Throw-away redis-server processes on free loopback ports (standalone, or a three-master cluster) for the L2 tests
-and benchmark; always stopped, and their files removed, on exit."""
+"""Throw-away redis-server processes on free loopback ports (standalone, or a cluster of several masters) for the L2
+tests and benchmarks, always stopped and their files removed on exit; and a bandwidth-limited proxy in front of one."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from typing import Iterator
 
@@ -108,3 +109,67 @@ def start_redis_cluster(masters: int = 3) -> Iterator[list[RedisProcess]]:
 def url_of(servers: RedisProcess | list[RedisProcess]) -> str:
     servers = servers if isinstance(servers, list) else [servers]
     return "redis://" + ",".join(f"127.0.0.1:{s.port}" for s in servers)
+
+
+class _Bucket:
+    """A token bucket shared by every connection of a throttle: at most `rate` bytes a second pass in all, with a
+    burst of one piece. The lock guards the two fields; sleeps happen outside it."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self._lock = threading.Lock()
+        self._next = time.monotonic()  # when the link is free again
+
+    def take(self, nbytes: int) -> None:
+        with self._lock:
+            now = time.monotonic()
+            start = max(now, self._next)
+            self._next = start + nbytes / self.rate
+        if start > now:
+            time.sleep(start - now)
+
+
+@contextlib.contextmanager
+def throttled(port: int, bytes_per_s: float) -> Iterator[int]:
+    """A loopback TCP proxy in front of 127.0.0.1:`port` whose replies (server -> client) share a link of
+    `bytes_per_s` (requests pass at full speed): a slow network to L2 on one machine. Yields the proxy's port. For a
+    standalone Redis only (a cluster's redirections name the real ports). Threads, stopped on exit."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    bucket, stop, sockets = _Bucket(bytes_per_s), threading.Event(), []
+
+    def pump(src: socket.socket, dst: socket.socket, limited: bool) -> None:
+        try:
+            while not stop.is_set():
+                data = src.recv(64 << 10)
+                if not data:
+                    break
+                if limited:
+                    bucket.take(len(data))
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                client, _ = listener.accept()
+                server = socket.create_connection(("127.0.0.1", port))
+            except OSError:
+                continue
+            sockets.extend((client, server))
+            threading.Thread(target=pump, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=pump, args=(server, client, True), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        listener.close()
+        for s in sockets:
+            with contextlib.suppress(OSError):
+                s.close()
