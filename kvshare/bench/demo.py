@@ -12,6 +12,7 @@ from pathlib import Path
 from kvshare.bench.client import BenchError
 from kvshare.bench.cross_replica import CrossReplicaConfig
 from kvshare.bench.deploy import LocalConfig, LocalDeployment
+from kvshare.bench.report import drifted, turn_one_ratios
 from kvshare.bench.runner import Outcome, Plan, run_plan
 from kvshare.bench.sessions import SessionsConfig
 from kvshare.bench.workload import parse_lengths
@@ -67,7 +68,14 @@ def run_demo(config: DemoConfig, command: str) -> Outcome:
 
 
 def _explain(outcome: Outcome) -> None:
-    """A few plain sentences on what the numbers show, so a newcomer reads the mechanism, not just a table."""
+    """A few plain sentences on what the numbers show, so a newcomer reads the mechanism, not just a table; a session
+    figure that the drift check discredits says so in its own sentence."""
+    lines = explanation(outcome)
+    if lines:
+        print("\n".join(lines))
+
+
+def explanation(outcome: Outcome) -> list[str]:
     lines = []
     for r in outcome.cross.lengths if outcome.cross else ():
         c = r.comparison
@@ -75,10 +83,15 @@ def _explain(outcome: Outcome) -> None:
             lines.append(f"{r.label}: replica B answered in {c.on.median:.3f} s with the pool (it loaded "
                          f"{r.on_pool_hit_tokens:.0f} prompt tokens' KV that replica A had stored) vs "
                          f"{c.off.median:.3f} s without it (full prefill): {c.speedup:.1f}x.")
+    ratios = turn_one_ratios(outcome.sessions) if outcome.sessions else {}
     for g in outcome.sessions.gains if outcome.sessions else ():
         if math.isnan(g.improvement):
             continue
-        lines.append(f"sessions {g.context}, {g.placement}: total {g.off_total_s:.2f} s OFF vs {g.on_total_s:.2f} s "
-                     f"ON ({100 * g.improvement:.0f}% faster).")
-    if lines:
-        print("\n".join(lines))
+        line = (f"sessions {g.context}, {g.placement}: total {g.off_total_s:.2f} s OFF vs {g.on_total_s:.2f} s ON "
+                f"({100 * g.improvement:.0f}% faster).")
+        ratio = ratios.get((g.context, g.placement))
+        if ratio is not None and drifted(ratio):
+            line += (f" Not trustworthy: turn 1, the same work in both arms, took {ratio:.2f}x as long OFF as ON, "
+                     "so the machine's speed changed between the arms (see the drift check above).")
+        lines.append(line)
+    return lines

@@ -187,19 +187,39 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
-def _drift_note(sessions: SessionsSummary) -> str:
-    """Turn 1 is a fresh context in every arm: the same work, which no cache can speed up. Its OFF/ON ratio far
-    from 1 means the machine's speed drifted between the arms (which run one after the other)."""
-    ratios = []
+# Turn 1's OFF/ON TTFT ratio beyond [1 / DRIFT_TOLERANCE, DRIFT_TOLERANCE]: the arms did not run at the same speed.
+DRIFT_TOLERANCE = 1.2
+
+
+def turn_one_ratios(sessions: SessionsSummary) -> dict[tuple[str, str], float]:
+    """(context, placement) -> OFF/ON median TTFT of turn 1. Turn 1 is a fresh context in every arm: the same work,
+    which no cache can speed up. A ratio far from 1 means the machine's speed drifted between the arms (which run one
+    after the other)."""
+    ratios = {}
     for off in (c for c in sessions.conditions if c.arm == "OFF" and c.turn_ttft_medians):
         on = next((c for c in sessions.conditions if c.arm == "ON" and (c.context, c.placement) ==
                    (off.context, off.placement)), None)
         if on and on.turn_ttft_medians:
-            ratio = off.turn_ttft_medians[0] / on.turn_ttft_medians[0]
-            ratios.append(f"{off.context} {off.placement} {_fmt(ratio, 2)}")
-    return ("Drift check: turn 1 does the same work in both arms (a fresh context), so its OFF/ON TTFT ratio "
-            f"should be about 1: {'; '.join(ratios) or 'n/a'}. Far from 1, the machine's load changed between the "
+            ratios[(off.context, off.placement)] = off.turn_ttft_medians[0] / on.turn_ttft_medians[0]
+    return ratios
+
+
+def drifted(ratio: float) -> bool:
+    return not 1 / DRIFT_TOLERANCE <= ratio <= DRIFT_TOLERANCE
+
+
+def drift_note(sessions: SessionsSummary) -> str:
+    """The drift check as the report and the printed summary both give it."""
+    ratios = turn_one_ratios(sessions)
+    listed = "; ".join(f"{context} {placement} {_fmt(ratio, 2)}" for (context, placement), ratio in ratios.items())
+    note = ("Drift check: turn 1 does the same work in both arms (a fresh context), so its OFF/ON TTFT ratio "
+            f"should be about 1: {listed or 'n/a'}. Far from 1, the machine's load changed between the "
             "arms and the session improvements are not trustworthy; rerun with more --sessions on a quiet machine.")
+    bad = [f"{context} {placement}" for (context, placement), ratio in ratios.items() if drifted(ratio)]
+    if bad:
+        note += (f" Here {', '.join(bad)} drifted beyond {DRIFT_TOLERANCE:g}x: do not read an improvement into "
+                 f"{'those rows' if len(bad) > 1 else 'that row'}.")
+    return note
 
 
 def _markdown(info: RunInfo, rows, cross, sessions, plots: list[str]) -> str:
@@ -224,23 +244,38 @@ def _markdown(info: RunInfo, rows, cross, sessions, plots: list[str]) -> str:
                 "Each turn appends the previous answer and a new user message. `alternate` sends turns to A, B, "
                 "A, B, ...; `fixed` keeps a session on one replica. Improvement = 1 - ON / OFF median total session "
                 "time.", "", _table(SESSION_HEADER, session_rows(sessions)), "",
-                _table(TURN_HEADER, turn_rows(sessions)), "", _drift_note(sessions), ""]
+                _table(TURN_HEADER, turn_rows(sessions)), "", drift_note(sessions), ""]
     out += [f"![{name}]({name})" for name in plots]
     return "\n".join(out) + "\n"
 
 
-def print_summary(info: RunInfo, cross: CrossReplicaSummary | None, sessions: SessionsSummary | None) -> None:
+# Columns of a summary printed into a pipe or a file: wide enough for every table whole (rich's 80 cut them).
+PIPED_WIDTH = 400
+
+
+def summary_console(file=None):
+    """A rich Console at the terminal's real width (tables then wrap their cells to fit it), or at PIPED_WIDTH when
+    the output is not a terminal, so that nothing is cut."""
     from rich.console import Console
+
+    console = Console(file=file)
+    return console if console.is_terminal else Console(file=file, width=PIPED_WIDTH)
+
+
+def print_summary(info: RunInfo, cross: CrossReplicaSummary | None, sessions: SessionsSummary | None,
+                  console=None) -> None:
     from rich.table import Table
 
-    console = Console()
+    console = console or summary_console()
     for title, header, rows in _terminal_tables(cross, sessions):
         table = Table(title=title)
         for column in header:
-            table.add_column(column)
+            table.add_column(column, overflow="fold")  # a cell too wide wraps onto more lines, never "…"
         for row in rows:
             table.add_row(*row)
         console.print(table)
+    if sessions is not None:
+        console.print(drift_note(sessions), markup=False)
     if info.partial:
         console.print(f"[bold red]partial run:[/] {info.error}")
 

@@ -70,13 +70,15 @@ def run_plan(plan: Plan, make_deployment: Callable[[], Deployment], codec: Codec
         writer.write(row)
     deployment = None
     try:
-        with sigterm_as_interrupt(), _progress(plan.total_requests, quiet) as on_row:
+        with sigterm_as_interrupt(), _progress(plan.total_requests, quiet) as progress:
+            progress.note("starting the deployment")
             deployment = make_deployment()
             description = deployment.describe()
+            progress.note(f"deployment ready: {description}")
             if plan.cross:
-                cross_replica.run_cross_replica(deployment, codec, plan.cross, writer, on_row)
+                cross_replica.run_cross_replica(deployment, codec, plan.cross, writer, progress.on_row)
             if plan.sessions:
-                sessions.run_sessions(deployment, codec, plan.sessions, writer, on_row)
+                sessions.run_sessions(deployment, codec, plan.sessions, writer, progress.on_row)
     except BenchError as failure:
         error = str(failure)
     except KeyboardInterrupt:
@@ -101,26 +103,40 @@ def _finish(plan, rows, command, description, started, error, quiet) -> Outcome:
 
 
 class _progress:
-    """A rich progress bar over the plan's requests (warm-ups not counted); yields the per-row callback."""
+    """Progress over the plan's requests (warm-ups not counted): a rich bar on a terminal; elsewhere (a pipe, a log
+    file, CI) one plain line per step and per request, since a bar is not drawn there and minutes of silence look
+    like a hang."""
 
     def __init__(self, total: int, quiet: bool):
-        self.total, self.quiet, self.bar = total, quiet, None
+        self.total, self.quiet, self.bar, self.task, self.done = total, quiet, None, None, 0
 
-    def __enter__(self) -> Callable[[RequestRow], None]:
-        if self.quiet:
-            return lambda row: None
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    def __enter__(self) -> "_progress":
+        from rich.console import Console
 
-        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        self.bar.start()
-        task = self.bar.add_task("starting", total=self.total)
+        if not self.quiet and Console().is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        def on_row(row: RequestRow) -> None:
-            what = f"{row.bench} {row.block or row.placement} {row.arm} {row.length_label}"
-            ttft = f"TTFT {row.ttft_s:.3f}s" if row.ttft_s is not None else "error"
-            self.bar.update(task, advance=1, description=f"{what}: {row.kind} {ttft}")
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn())
+            self.bar.start()
+            self.task = self.bar.add_task("starting", total=self.total)
+        return self
 
-        return on_row
+    def note(self, text: str) -> None:
+        """A step outside the requests (starting the deployment...)."""
+        if self.bar is not None:
+            self.bar.update(self.task, description=text)
+        elif not self.quiet:
+            print(text, flush=True)
+
+    def on_row(self, row: RequestRow) -> None:
+        self.done += 1
+        what = f"{row.bench} {row.block or row.placement} {row.arm} {row.length_label}"
+        ttft = f"TTFT {row.ttft_s:.3f}s" if row.ttft_s is not None else "error"
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, description=f"{what}: {row.kind} {ttft}")
+        elif not self.quiet:
+            print(f"[{self.done}/{self.total}] {what}: {row.kind} {ttft}", flush=True)
 
     def __exit__(self, *exc) -> None:
         if self.bar:

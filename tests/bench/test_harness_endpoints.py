@@ -125,3 +125,19 @@ def test_sessions_switch_a_token_protected_routers_policy_only_with_its_token(st
         assert result.returncode == 0, result.stdout + result.stderr
     finally:
         served.stop()
+
+
+def test_piped_output_shows_progress_lines_and_whole_tables(stubs, tiny_model, tmp_path):
+    """Not a terminal (CI, `| tee`): a line per step and per request as they happen, tables not cut at 80 columns,
+    the drift check under the session tables, and where the report went."""
+    urls, out = ",".join(stubs), tmp_path / "sessions"
+    result = _kvshare("bench", "sessions", "--off", urls, "--on", urls, "--tokenizer", str(tiny_model),
+                      "--contexts", "128", "--turns", "2", "--user-tokens", "16", "--out", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "starting the deployment" and lines[1].startswith("deployment ready: ")
+    progress = [line for line in lines if line.startswith("[")]
+    assert [line.split("]")[0] + "]" for line in progress] == [f"[{i}/8]" for i in range(1, 9)]
+    assert "sessions alternate OFF 128: turn TTFT" in progress[0]
+    assert "…" not in result.stdout and "after first tokens s" in result.stdout  # the last column's full header
+    assert "Drift check:" in result.stdout and f"report: {out / 'report.md'}" in result.stdout
