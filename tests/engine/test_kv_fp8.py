@@ -142,3 +142,31 @@ def test_fp8_and_model_dtype_replicas_never_share(engines):
         fp8.connector.core.flush()
         _, usage = run(other_fp8, prompt)  # the fp8 replica's own store is there for fp8 replicas
         assert usage.pool_hit_tokens == 96
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fp8_cross_replica_equals_a_local_prefix_hit_on_cuda(tiny_model):
+    """bf16 compute over an fp8 cache on the GPU: B's pool hit gives the tokens A's own prefix hit gives (the same
+    kernels over the same fp8 bytes; cache OFF may differ by bf16 kernel rounding, so it is not compared)."""
+    made = [Engine(EngineConfig(model=str(tiny_model), device="cuda", dtype="bfloat16", kv_cache_dtype="fp8",
+                                max_model_len=512, num_blocks=128)) for _ in range(2)]
+    a, b = made
+    try:
+        assert a.kv_caches[0].dtype == FP8 and a.kv_caches[0].is_cuda
+        with start_pool("8MiB", page_size="64KiB") as (address, _):
+            attach(a, address)
+            attach(b, address)
+            prompt = prompt_of(161, seed=9)
+            run(a, prompt)
+            a.connector.core.flush()
+            local, local_usage = run(a, prompt, rid="again")
+            cross, cross_usage = run(b, prompt)
+            assert local_usage.local_hit_tokens == cross_usage.pool_hit_tokens == 160
+            assert cross == local
+            assert b.connector.stats.load_failures == 0
+    finally:
+        for engine in made:
+            if engine.connector is not None:
+                engine.connector.close()
+            engine.shutdown()
