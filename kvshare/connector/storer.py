@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 from kvshare.connector.contract import StoreHandle
 from kvshare.connector.failures import Failures
+from kvshare.transfer.checksum import run_on_every_cpu
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Storer:
         done.wait(timeout)
 
     def _loop(self) -> None:
+        run_on_every_cpu()  # its copies run beside the model's next steps, not in turns with them
         while True:
             item = self._queue.get()
             if isinstance(item, threading.Event):

@@ -25,11 +25,22 @@ def arena_checksum(pages: np.ndarray, page_ids: Sequence[int], nbytes: int) -> i
     return checksum.pages_checksum(pages, page_ids, nbytes)
 
 
+def run_on_every_cpu() -> None:
+    """Let the calling thread run on every CPU this process's cgroup allows. A CPU replica's engine pins its process
+    to the cores its model computes on (vLLM: VLLM_CPU_OMP_THREADS_BIND), and threads inherit that pin; kvshare's
+    helper threads (hashing, the connector's storer) are not the model's compute and would otherwise take turns with
+    it on those cores instead of running beside it. The kernel keeps the mask within the cgroup's CPUs."""
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))  # 0: this thread
+    except OSError:
+        pass  # a platform or sandbox that refuses: the thread keeps the CPUs it has
+
+
 @lru_cache(maxsize=1)
 def _hashers() -> ThreadPoolExecutor:
     # numpy releases the GIL in each pass over a batch of words, so chunks hash in parallel and beside the engine
     # thread. Created on first use, shared by a process.
-    return ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="kvshare-hash")
+    return ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="kvshare-hash", initializer=run_on_every_cpu)
 
 
 def start_checksums(pages: np.ndarray, chunks: Iterable[tuple[Sequence[int], int]],
