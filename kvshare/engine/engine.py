@@ -199,8 +199,8 @@ class Engine:
             if isinstance(sampled, RowFailure):
                 self._finish(seq, "error", error=sampled.message, request_caused=sampled.request_caused)
                 continue
-            if batch.is_prefill and not seq.admitted:  # hits count once: a preempted request's recompute is no hit
             token = sampled.token_id
+            if batch.is_prefill and not seq.admitted:  # hits count once: a preempted request's recompute is no hit
                 seq.admitted = True
                 seq.local_hit_tokens = seq.num_computed - seq.pool_hit_tokens
             seq.num_computed = seq.num_tokens
@@ -247,8 +247,8 @@ class Result:
     """What generate() returns per request: the emitted tokens and the finished event."""
 
     token_ids: list[int] = field(default_factory=list)
-    finished: TokenEvent | None = None
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # one per emitted token
+    finished: TokenEvent | None = None
 
 
 def generate(engine: Engine, requests: list[GenerationRequest], timeout: float = 600.0) -> list[Result]:
@@ -260,8 +260,8 @@ def generate(engine: Engine, requests: list[GenerationRequest], timeout: float =
         result = results[event.request_id]
         if event.token_id is not None:
             result.token_ids.append(event.token_id)
-        if event.finished:
             result.logprobs.append(event.logprobs)
+        if event.finished:
             result.finished = event
             done.release()
 
