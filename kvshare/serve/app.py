@@ -1,9 +1,11 @@
-"""The replica's OpenAI-compatible HTTP app: /v1/completions and /v1/chat/completions (SSE or whole), /v1/models,
-/health and /metrics, over any engine that implements `EngineProtocol`.
+"""The replica's OpenAI-compatible HTTP app: /v1/completions (one prompt or a batch) and /v1/chat/completions (SSE
+or whole), /v1/models and /v1/models/{id}, vLLM's /tokenize and /detokenize, /health and /metrics, over any engine
+that implements `EngineProtocol`.
 
-Request flow (a module each): parse + validate (schema.py, validation.py: OpenAI-style errors) -> `Prepared` (prompt
-ids + sampling) -> `EventStream` (bridge.py: engine-thread callbacks into asyncio) -> `pieces` (pieces.py: token ids ->
-text deltas, stop strings, metrics) -> a `Format` (formats.py: completion or chat) writes SSE chunks or one body.
+Request flow (a module each): parse + validate (schema.py, validation.py, unsupported.py: OpenAI-style errors) ->
+a `Prepared` per prompt (prompt ids + sampling) -> an `EventStream` each (bridge.py: engine-thread callbacks into
+asyncio) -> `pieces` (pieces.py: token ids -> text deltas, stop strings, logprobs, metrics; a batch's merged) -> a
+`Format` (formats.py: completion or chat) writes SSE chunks or one body.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -25,15 +28,18 @@ from kvshare.httpguard.limits import HttpLimits
 from kvshare.serve.bridge import EventStream
 from kvshare.serve.formats import ChatFormat, CompletionFormat, Format, collect, sse_stream
 from kvshare.serve.metrics import CountRequests, EngineLoadCollector, ServerMetrics
-from kvshare.serve.pieces import pieces
+from kvshare.serve.pieces import merged, pieces
 from kvshare.serve.schema import ApiError, ChatRequest, CompletionRequest, parse_body
-from kvshare.serve.validation import Prepared, RequestLimits, TokenizerProtocol, Validator
+from kvshare.serve.tokenize import Tokenization
+from kvshare.serve.validation import Prepared, RequestLimits, TokenizerProtocol, Validator, new_request_id
 
 log = logging.getLogger("kvshare.serve")
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
-ENDPOINTS = (COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics")
+MODELS = "/v1/models"
+ENDPOINTS = (COMPLETIONS, CHAT, MODELS, "/tokenize", "/detokenize", "/health", "/metrics")
+PATTERNS = ((MODELS + "/", MODELS + "/{id}"),)  # (path prefix, the endpoint label of every path under it)
 
 
 async def _unless_disconnected(request: Request, work: Callable[[], Awaitable[Response]]) -> Response:
@@ -74,38 +80,67 @@ class Server:
         body = parse_body(CompletionRequest, await request.body())
         self.validator.check_model(body.model)
         self.validator.check_values(body)
-        ids = await asyncio.to_thread(self.validator.completion_prompt, body.prompt)
-        prepared = self.validator.prepare(body, ids, body.max_tokens, 16, "cmpl", arrived)
-        return await self._respond(request, prepared, CompletionFormat(prepared.request.request_id,
-                                                                        self.model_name), COMPLETIONS)
+        prompts = await asyncio.to_thread(self.validator.completion_prompts, body.prompt, body.add_special_tokens)
+        response_id = new_request_id("cmpl")
+        ids = [response_id] if len(prompts) == 1 else [f"{response_id}-{i}" for i in range(len(prompts))]
+        prepared = [self.validator.prepare(body, prompt, body.max_tokens, 16, request_id, arrived)
+                    for prompt, request_id in zip(prompts, ids)]
+        fmt = CompletionFormat(response_id, self.model_name, logprobs=body.logprobs is not None)
+        return await self._respond(request, prepared, fmt, COMPLETIONS)
 
     async def chat(self, request: Request) -> Response:
         arrived = time.perf_counter()
         body = parse_body(ChatRequest, await request.body())
         self.validator.check_model(body.model)
         self.validator.check_values(body)
-        ids = await asyncio.to_thread(self.validator.chat_prompt, body.messages)
+        ids = await asyncio.to_thread(self.validator.chat_prompt, body.messages, body.add_generation_prompt)
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        prepared = self.validator.prepare(body, ids, asked, None, "chatcmpl", arrived)
-        return await self._respond(request, prepared, ChatFormat(prepared.request.request_id, self.model_name),
-                                   CHAT)
+        response_id = new_request_id("chatcmpl")
+        prepared = self.validator.prepare(body, ids, asked, None, response_id, arrived)
+        fmt = ChatFormat(response_id, self.model_name, logprobs=bool(body.logprobs))
+        return await self._respond(request, [prepared], fmt, CHAT)
 
-    async def _respond(self, request: Request, prepared: Prepared, fmt: Format, endpoint: str) -> Response:
-        stream = EventStream(self.engine, prepared.request)
-        stream.start()
-        made = pieces(self, prepared, stream, endpoint)
-        if prepared.stream:
+    async def _respond(self, request: Request, prepared: list[Prepared], fmt: Format, endpoint: str) -> Response:
+        """Starts one engine request per prompt and answers with their merged pieces. Every started stream is closed
+        however the response ends (one refused by the engine closes those started before it)."""
+        streams: list[EventStream] = []
+
+        def close() -> None:
+            for stream in streams:
+                stream.close()
+
+        for one in prepared:
+            stream = EventStream(self.engine, one.request)
+            try:
+                stream.start()
+            except BaseException:
+                close()
+                raise
+            streams.append(stream)
+        made = merged([pieces(self, one, stream, endpoint) for one, stream in zip(prepared, streams)])
+        first = prepared[0]
+        if first.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return _ClosingStreamingResponse(sse_stream(made, fmt, prepared.include_usage), stream.close,
+            return _ClosingStreamingResponse(sse_stream(made, fmt, len(prepared), first.include_usage), close,
                                              media_type="text/event-stream", headers=headers)
         try:
-            return await _unless_disconnected(request, lambda: collect(made, fmt))
+            return await _unless_disconnected(request, lambda: collect(made, fmt, len(prepared)))
         finally:
-            stream.close()
+            close()
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "kvshare",
+                "max_model_len": self.engine.max_model_len}
 
     def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.started,
-                                            "owned_by": "kvshare", "max_model_len": self.engine.max_model_len}]}
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model(self, model_id: str) -> dict:
+        """GET /v1/models/{id}: this server's model card, or OpenAI's 404 for any other id."""
+        if model_id != self.model_name:
+            raise ApiError(404, f"model '{model_id}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+        return self.model_card()
 
 
 class _ClosingStreamingResponse(StreamingResponse):
@@ -148,6 +183,12 @@ def create_app(engine: EngineProtocol, tokenizer: TokenizerProtocol, model_name:
         # an answer, and the HTTP layer has logged the one line it is worth.
         return Response(status_code=499)
 
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        # Bodies are parsed by parse_body (400s of their own); this catches anything FastAPI itself validates, which
+        # it would answer 422: OpenAI and vLLM answer 400.
+        return ApiError(400, f"invalid request: {error.errors()}").response()
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         # unknown paths and wrong methods: OpenAI's error shape too, not FastAPI's {"detail": ...}
@@ -160,7 +201,11 @@ def create_app(engine: EngineProtocol, tokenizer: TokenizerProtocol, model_name:
 
     app.add_api_route(COMPLETIONS, server.completions, methods=["POST"])
     app.add_api_route(CHAT, server.chat, methods=["POST"])
-    app.add_api_route("/v1/models", server.models, methods=["GET"])
+    app.add_api_route(MODELS, server.models, methods=["GET"])
+    app.add_api_route(MODELS + "/{model_id:path}", server.model, methods=["GET"])
+    tokenization = Tokenization(server.validator, tokenizer, engine.max_model_len)
+    app.add_api_route("/tokenize", tokenization.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", tokenization.detokenize, methods=["POST"])
 
     @app.get("/health")
     async def health() -> Response:
@@ -173,7 +218,7 @@ def create_app(engine: EngineProtocol, tokenizer: TokenizerProtocol, model_name:
         data, content_type = server.metrics.render()
         return Response(data, media_type=content_type)
 
-    app.add_middleware(CountRequests, metrics=server.metrics, endpoints=ENDPOINTS)
+    app.add_middleware(CountRequests, metrics=server.metrics, endpoints=ENDPOINTS, patterns=PATTERNS)
     return app
 
 

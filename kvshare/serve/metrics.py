@@ -20,6 +20,13 @@ from kvshare.engine.api import EngineLoad, Usage
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0,
                 240.0, 300.0)
 
+# Whole requests: a short answer after a pool hit takes well under a second, a long one after a 256k prefill minutes.
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 180.0, 300.0, 600.0, 1200.0)
+# Gaps between output tokens: a few ms on an H200 decode, tens of ms on CPU, seconds while a long prefill of another
+# request holds the engine's step.
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+               0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+
 # One Prometheus counter per ConnectorStats field, exported as kvshare_pool_<field>_total.
 CONNECTOR_STAT_HELP = {
     "lookups": "LOOKUPs the connector sent to the pool",
@@ -71,6 +78,12 @@ class ServerMetrics:
         self.ttft = Histogram("kvshare_time_to_first_token_seconds",
                               "seconds from request arrival to the first generated token", ["endpoint"],
                               buckets=TTFT_BUCKETS, registry=reg)
+        self.e2e = Histogram("kvshare_e2e_request_latency_seconds",
+                             "seconds from request arrival to the last token of a request that finished (stop or "
+                             "length); one observation per prompt", ["endpoint"], buckets=E2E_BUCKETS, registry=reg)
+        self.itl = Histogram("kvshare_inter_token_latency_seconds",
+                             "seconds between consecutive output tokens of a request (per-output-token latency)",
+                             ["endpoint"], buckets=ITL_BUCKETS, registry=reg)
         self.prompt_tokens = Counter("kvshare_prompt_tokens", "prompt tokens of finished requests", registry=reg)
         self.generation_tokens = Counter("kvshare_generation_tokens", "tokens generated", registry=reg)
         self.local_hit_tokens = Counter("kvshare_local_hit_tokens",
@@ -84,6 +97,12 @@ class ServerMetrics:
 
     def observe_ttft(self, endpoint: str, seconds: float) -> None:
         self.ttft.labels(endpoint=endpoint).observe(seconds)
+
+    def observe_e2e(self, endpoint: str, seconds: float) -> None:
+        self.e2e.labels(endpoint=endpoint).observe(seconds)
+
+    def observe_itl(self, endpoint: str, seconds: float) -> None:
+        self.itl.labels(endpoint=endpoint).observe(seconds)
 
     def observe_usage(self, usage: Usage) -> None:
         self.prompt_tokens.inc(usage.prompt_tokens)
@@ -115,13 +134,20 @@ class EngineLoadCollector(Collector):
 class CountRequests:
     """ASGI middleware: counts every HTTP response by endpoint and status (streams count at their start line)."""
 
-    def __init__(self, app, metrics: ServerMetrics, endpoints: tuple[str, ...]) -> None:
-        self.app, self.metrics, self.endpoints = app, metrics, endpoints
+    def __init__(self, app, metrics: ServerMetrics, endpoints: tuple[str, ...],
+                 patterns: tuple[tuple[str, str], ...] = ()) -> None:
+        self.app, self.metrics, self.endpoints, self.patterns = app, metrics, endpoints, patterns
+
+    def endpoint(self, path: str) -> str:
+        """The label of a path: itself if it is an endpoint, a pattern's label (e.g. /v1/models/{id}), else "other"."""
+        if path in self.endpoints:
+            return path
+        return next((label for prefix, label in self.patterns if path.startswith(prefix)), "other")
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        endpoint = scope["path"] if scope["path"] in self.endpoints else "other"
+        endpoint = self.endpoint(scope["path"])
 
         async def counting_send(message) -> None:
             if message["type"] == "http.response.start":

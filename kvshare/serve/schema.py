@@ -19,17 +19,22 @@ from kvshare.httpguard.errors import ERROR_CAUSE_HEADER, REQUEST_CAUSED
 
 
 class Strict(BaseModel):
-    # strict: "5" is not an int and 1 is not a bool (wrong types are errors, not guesses); unknown fields that
-    # OpenAI clients send (logprobs=null, logit_bias, ...) are ignored. Values are checked by the server's validator,
-    # which says what range each field takes.
+    # strict: "5" is not an int and 1 is not a bool (wrong types are errors, not guesses). Values are checked by the
+    # server's validator, which says what range each field takes.
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class Request(Strict):
+    # A request body keeps the fields it does not serve (`model_extra`): unsupported.py refuses, by name, every one
+    # that asks for something (tools, logit_bias, ...), so no parameter is ever silently ignored.
+    model_config = ConfigDict(strict=True, extra="allow")
 
 
 class StreamOptions(Strict):
     include_usage: StrictBool = False
 
 
-class SamplingFields(Strict):
+class SamplingFields(Request):
     model: StrictStr | None = None  # optional: a single-model server serves its model
     max_tokens: StrictInt | None = None
     temperature: StrictFloat = 0.0  # greedy unless asked (OpenAI's default is 1; benchmarks always set it)
@@ -46,10 +51,14 @@ class SamplingFields(Strict):
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None  # accepted for session routing upstream; no effect here
     cache_salt: StrictStr | None = None  # vLLM's field: requests with different salts never share pool chunks
+    return_tokens_as_token_ids: StrictBool = False  # vLLM's field: logprobs name each token "token_id:<id>"
 
 
 class CompletionRequest(SamplingFields):
-    prompt: StrictStr | list[StrictInt]
+    # one prompt (text or token ids) or a batch of them: one choice per prompt, in order
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    logprobs: StrictInt | None = None  # each token's logprob and this many most likely tokens'
+    add_special_tokens: StrictBool = False  # vLLM's field: True adds what the tokenizer adds (e.g. a BOS) to text
 
 
 class TextPart(Strict):
@@ -58,6 +67,10 @@ class TextPart(Strict):
 
 
 class ChatMessage(Strict):
+    # Other fields (name, tool_calls, tool_call_id, ...) go to the chat template as they are, as transformers hands
+    # them over: a conversation's history renders whatever the template makes of it.
+    model_config = ConfigDict(strict=True, extra="allow")
+
     role: StrictStr
     content: StrictStr | list[TextPart] | None = None
 
@@ -65,6 +78,26 @@ class ChatMessage(Strict):
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None  # the newer OpenAI name for max_tokens
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = None  # with logprobs: this many most likely tokens per position
+    add_generation_prompt: StrictBool = True  # vLLM's field: False continues no assistant header
+
+
+class TokenizeRequest(Request):
+    """vLLM's /tokenize: a `prompt`, or `messages` rendered with the chat template first."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None  # default: True for a prompt, False for messages (as vLLM)
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool | None = False
+    tools: list[dict] | None = None  # rendered into the prompt by templates that take tools
+
+
+class DetokenizeRequest(Request):
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
 
 
 class ApiError(Exception):
@@ -102,7 +135,8 @@ def parse_body(model: type[Strict], body: bytes) -> Strict:
 
 
 _EXPECTED = {
-    "prompt": "a string or a list of token ids",
+    "prompt": "a string, a list of token ids, or a list of either (a batch)",
+    "tokens": "a list of token ids",
     "messages": "a list of {role, content} objects, content a string or a list of text parts",
     "stop": "a string or a list of strings",
 }
@@ -151,11 +185,38 @@ def hits_of(usage: Usage) -> KVShareHits:
     return KVShareHits(usage.local_hit_tokens, usage.pool_hit_tokens)
 
 
+class CompletionLogprobs(msgspec.Struct):
+    """A completion choice's logprobs (OpenAI's legacy shape): per token its text, logprob, the most likely tokens'
+    {text: logprob} and its character offset in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[TokenLogprob]
+
+
 class TextChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Delta(msgspec.Struct, omit_defaults=True):
@@ -167,7 +228,7 @@ class DeltaChoice(msgspec.Struct):
     index: int
     delta: Delta
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class Message(msgspec.Struct):
@@ -179,7 +240,7 @@ class MessageChoice(msgspec.Struct):
     index: int
     message: Message
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class Chunk(msgspec.Struct, omit_defaults=True):
@@ -202,3 +263,14 @@ class Whole(msgspec.Struct):
     choices: list
     usage: UsageBody
     kvshare: KVShareHits
+
+
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from kvshare.engine.api import EngineProtocol, GenerationRequest, SamplingParams
-from kvshare.serve.schema import ApiError, ChatMessage, SamplingFields
+from kvshare.serve.schema import ApiError, ChatMessage, ChatRequest, CompletionRequest, SamplingFields
+from kvshare.serve.unsupported import refuse_unsupported
 
 
 class TokenizerProtocol(Protocol):
@@ -19,9 +20,14 @@ class TokenizerProtocol(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict]) -> str: ...
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str: ...
+
+    def encode_with_special_tokens(self, text: str) -> list[int]: ...
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]: ...
 
 
 SEED_RANGE = (-(2**63), 2**63 - 1)  # int64, as vLLM; torch's generators take any of these
@@ -34,6 +40,8 @@ class RequestLimits:
 
     max_stop_strings: int = 16
     max_stop_chars: int = 256
+    max_logprobs: int = 20  # most likely tokens returned per position (vLLM's default max_logprobs)
+    max_prompts: int = 256  # prompts in one batch /v1/completions request (each is an engine request)
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     arrived: float  # perf_counter() at arrival, for TTFT
+    tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)
 
 
 class Validator:
@@ -99,6 +108,24 @@ class Validator:
         if body.seed is not None and not SEED_RANGE[0] <= body.seed <= SEED_RANGE[1]:
             raise ApiError(400, f"seed must be a 64-bit signed integer, got {body.seed}", param="seed")
         self.check_stop_strings(_stop_strings(body.stop))
+        refuse_unsupported(body.model_extra)
+        self.logprobs(body)  # checks the range
+
+    def logprobs(self, body: SamplingFields) -> int | None:
+        """How many most likely tokens to return per position (0: the emitted token's logprob alone), or None.
+        Completions send `logprobs: k`; chat sends `logprobs: true` and `top_logprobs: k`."""
+        if isinstance(body, CompletionRequest):
+            asked, param = body.logprobs, "logprobs"
+        elif isinstance(body, ChatRequest):
+            if body.top_logprobs is not None and not body.logprobs:
+                raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            asked, param = (body.top_logprobs or 0) if body.logprobs else None, "top_logprobs"
+        else:
+            return None
+        if asked is not None and not 0 <= asked <= self.limits.max_logprobs:
+            raise ApiError(400, f"{param} must be in [0, {self.limits.max_logprobs}] (--max-logprobs), got {asked}",
+                           param=param)
+        return asked
 
     def sampling(self, body: SamplingFields, prompt_len: int, max_tokens: int | None, default: int | None
                  ) -> SamplingParams:
@@ -107,7 +134,8 @@ class Validator:
         self.check_ids(stop_ids, "stop_token_ids")
         return SamplingParams(max_tokens=self.max_tokens(max_tokens, prompt_len, default),
                               temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                              stop_token_ids=stop_ids, ignore_eos=body.ignore_eos, top_k=max(body.top_k or 0, 0))
+                              stop_token_ids=stop_ids, ignore_eos=body.ignore_eos, top_k=max(body.top_k or 0, 0),
+                              logprobs=self.logprobs(body))
 
     def check_stop_strings(self, strings: tuple[str, ...]) -> None:
         if len(strings) > self.limits.max_stop_strings:
@@ -127,10 +155,20 @@ class Validator:
                                 f"{self.engine.max_model_len} tokens can hold (at most {limit} characters); send a "
                                 "shorter prompt", param=param)
 
-    def completion_prompt(self, prompt: str | list[int]) -> list[int]:
+    def completion_prompts(self, prompt: str | list[int] | list[str] | list[list[int]],
+                           add_special_tokens: bool = False) -> list[list[int]]:
+        """Token ids of each prompt of a request: one, or a batch (a list of texts or of id lists)."""
+        batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        if len(batch) > self.limits.max_prompts:
+            raise ApiError(400, f"the request has {len(batch)} prompts; this server accepts at most "
+                                f"{self.limits.max_prompts} in one request (--max-prompts)", param="prompt")
+        return [self.completion_prompt(one, add_special_tokens) for one in batch]
+
+    def completion_prompt(self, prompt: str | list[int], add_special_tokens: bool = False) -> list[int]:
         if isinstance(prompt, str):
             self.refuse_hopeless_text(len(prompt), "prompt")
-            ids = self.tokenizer.encode(prompt) if prompt else []
+            encode = self.tokenizer.encode_with_special_tokens if add_special_tokens else self.tokenizer.encode
+            ids = encode(prompt) if prompt else []
         else:
             ids = list(prompt)
             self.check_ids(ids, "prompt")
@@ -138,29 +176,38 @@ class Validator:
             raise ApiError(400, "the prompt is empty; send at least one token", param="prompt")
         return ids
 
-    def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The chat's prompt text, as transformers' apply_chat_template renders it (a refusing template is a 400)."""
         if not messages:
             raise ApiError(400, "messages is empty; send at least one message", param="messages")
-        plain = [{"role": m.role, "content": _message_text(m)} for m in messages]
+        plain = [_template_message(m) for m in messages]
         self.refuse_hopeless_text(sum(len(m["content"]) for m in plain), "messages")
         try:
-            rendered = self.tokenizer.apply_chat_template(plain)
-        except ValueError as error:  # e.g. the model has no chat template
+            return self.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, tools=tools)
+        except ValueError as error:  # no chat template, or the template refused the conversation
             raise ApiError(400, str(error), param="messages") from None
-        ids = self.tokenizer.encode(rendered)
+
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        ids = self.tokenizer.encode(self.render_chat(messages, add_generation_prompt))
         if not ids:
             raise ApiError(400, "the chat template rendered an empty prompt", param="messages")
         return ids
 
     def prepare(self, body: SamplingFields, prompt_ids: list[int], max_tokens: int | None, default: int | None,
-                prefix: str, arrived: float) -> Prepared:
+                request_id: str, arrived: float) -> Prepared:
         """`default`: the completion budget when max_tokens is absent (None: up to the context limit)."""
         sampling = self.sampling(body, len(prompt_ids), max_tokens, default)
         stop = tuple(s for s in _stop_strings(body.stop) if s)
-        request = GenerationRequest(request_id=f"{prefix}-{uuid.uuid4().hex}", prompt_ids=tuple(prompt_ids),
-                                    sampling=sampling, cache_salt=body.cache_salt or "")
+        request = GenerationRequest(request_id=request_id, prompt_ids=tuple(prompt_ids), sampling=sampling,
+                                    cache_salt=body.cache_salt or "")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return Prepared(request, stop, body.stream, include_usage, arrived)
+        return Prepared(request, stop, body.stream, include_usage, arrived, body.return_tokens_as_token_ids)
+
+
+def new_request_id(prefix: str) -> str:
+    """A response's id (cmpl-..., chatcmpl-...); a batch's engine requests add "-<index>" to it."""
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -184,6 +231,12 @@ def _check_no_penalty(name: str, value: float | None) -> None:
                             "leave it out", param=name)
 
 
+def _template_message(message: ChatMessage) -> dict:
+    """The message as the chat template sees it, as vLLM hands it over: its other fields as sent (None ones are dropped
+    by the template), content a string: text parts joined with newlines, none at all ""."""
+    return {**(message.model_extra or {}), "role": message.role, "content": _message_text(message)}
+
+
 def _message_text(message: ChatMessage) -> str:
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
@@ -191,4 +244,4 @@ def _message_text(message: ChatMessage) -> str:
         if part.type != "text" or part.text is None:
             raise ApiError(400, f"content part of type '{part.type}' is not supported; send text parts only",
                            param="messages")
-    return "".join(part.text or "" for part in message.content)
+    return "\n".join(part.text or "" for part in message.content)
