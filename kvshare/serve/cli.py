@@ -70,6 +70,12 @@ def register(cli) -> None:
                        help="most stop strings one request may send (default: %(default)s)")
     serve.add_argument("--max-stop-chars", type=int, default=256, metavar="N",
                        help="longest stop string, in characters (default: %(default)s)")
+    serve.add_argument("--max-logprobs", type=int, default=20, metavar="N",
+                       help="most likely tokens a request may ask logprobs of per position (completions' logprobs, "
+                            "chat's top_logprobs; default: %(default)s)")
+    serve.add_argument("--max-prompts", type=int, default=256, metavar="N",
+                       help="prompts in one batch /v1/completions request, each an engine request (default: "
+                            "%(default)s)")
     add_http_limit_flags(serve)
     serve.set_defaults(run=run_serve)
 
@@ -178,4 +184,7 @@ def request_limits(args: argparse.Namespace):
 
     if args.max_stop_strings < 0 or args.max_stop_chars < 1:
         raise ValueError("--max-stop-strings must be >= 0 and --max-stop-chars >= 1")
-    return RequestLimits(max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars)
+    if args.max_logprobs < 0 or args.max_prompts < 1:
+        raise ValueError("--max-logprobs must be >= 0 and --max-prompts >= 1")
+    return RequestLimits(max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
+                         max_logprobs=args.max_logprobs, max_prompts=args.max_prompts)

@@ -11,6 +11,7 @@ from kvshare.processes import ServerProcess, free_port, kvshare_argv
 
 MAX_MODEL_LEN = 256
 MODEL = "tiny"
+MAX_LOGPROBS, MAX_PROMPTS = 5, 4  # below the defaults, so that tests reach the limits cheaply
 
 
 def kvshare_serve(model_dir, *extra: str) -> ServerProcess:
@@ -22,7 +23,8 @@ def kvshare_serve(model_dir, *extra: str) -> ServerProcess:
 
 @pytest.fixture(scope="module")
 def url(tiny_model):
-    server = kvshare_serve(tiny_model).start(ready_timeout_s=120)
+    server = kvshare_serve(tiny_model, "--max-logprobs", str(MAX_LOGPROBS), "--max-prompts", str(MAX_PROMPTS))
+    server.start(ready_timeout_s=120)
     try:
         yield server.url
     finally:

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvshare.hf.tokenizer import Tokenizer
 
-from .conftest import MAX_MODEL_LEN, MODEL, post, stream
+from .conftest import MAX_MODEL_LEN, MAX_PROMPTS, MODEL, post, stream
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Naïve café: a<b & c>d, \"quoted\"."]
 
@@ -102,6 +102,12 @@ def test_a_batch_gives_one_choice_per_prompt_as_single_requests_would(url, token
             finished[choice["index"]] = choice["finish_reason"]
     assert texts == [c["text"] for c in batch["choices"]] and finished == ["length", "length"]
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_a_batch_over_max_prompts_is_refused(url):
+    assert post(url, "/v1/completions", prompt=["a"] * MAX_PROMPTS, max_tokens=1).status_code == 200
+    error = error_of(post(url, "/v1/completions", prompt=["a"] * (MAX_PROMPTS + 1), max_tokens=1), 400)
+    assert "--max-prompts" in error["message"] and error["param"] == "prompt"
 
 
 def test_a_bad_prompt_in_a_batch_fails_the_request(url):

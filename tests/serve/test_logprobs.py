@@ -11,7 +11,7 @@ from kvshare.engine.model import Rotary
 from kvshare.engine.weights import load_model
 from kvshare.hf.tokenizer import Tokenizer
 
-from .conftest import post, stream
+from .conftest import MAX_LOGPROBS, post, stream
 
 PROMPT = "Logprobs are the log of each token's probability under the model."
 
@@ -103,12 +103,13 @@ def test_chat_logprobs_with_top_logprobs(url, tokenizer, model):
 
 
 @pytest.mark.parametrize("path, fields, param", [
-    ("/v1/completions", dict(prompt="x", logprobs=21), "logprobs"),
+    ("/v1/completions", dict(prompt="x", logprobs=MAX_LOGPROBS + 1), "logprobs"),
     ("/v1/completions", dict(prompt="x", logprobs=-1), "logprobs"),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], top_logprobs=2), "top_logprobs"),
-    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=50),
-     "top_logprobs"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], logprobs=True,
+                                  top_logprobs=MAX_LOGPROBS + 1), "top_logprobs"),
 ], ids=["too many", "negative", "top without logprobs", "too many top"])
 def test_logprobs_out_of_range_are_400(url, path, fields, param):
     response = post(url, path, max_tokens=2, **fields)
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    assert post(url, "/v1/completions", prompt="x", max_tokens=2, logprobs=MAX_LOGPROBS).status_code == 200
