@@ -60,6 +60,16 @@ def register(cli) -> None:
                         help="bytes of a HELLO description (default %(default)s)")
     limits.add_argument("--max-namespaces", type=int, default=d["max_namespaces"].default, help="namespaces in use at "
                         "once; unused ones are reclaimed (default %(default)s)")
+    metrics = serve.add_argument_group("metrics (Prometheus)")
+    metrics.add_argument("--metrics-port", type=int, default=d["metrics_port"].default, metavar="PORT",
+                         help="serve the pool's STATS as Prometheus text on http://HOST:PORT/metrics, from the pool's "
+                              "event loop (default %(default)s: off)")
+    metrics.add_argument("--metrics-host", default=d["metrics_host"].default, metavar="HOST",
+                         help="address the metrics endpoint listens on (default %(default)s; 0.0.0.0 lets another "
+                              "host scrape it: it shows pool sizes and counters, never keys or data)")
+    metrics.add_argument("--metrics-max-connections", type=int, default=d["metrics_max_connections"].default,
+                         metavar="N", help="scrapes open at once; more are closed unanswered; each has "
+                         "--frame-timeout seconds (default %(default)s)")
     serve.add_argument("--keep", action="store_true", help="keep the socket and arena files at shutdown")
     serve.add_argument("--check-integrity", action="store_true", help="debug: verify the pool's bookkeeping after "
                        "every request that changes it (slow for big pools)")
@@ -101,7 +111,8 @@ def _serve(args: argparse.Namespace) -> int:
             max_frame=parse_size(args.max_frame), max_buffered=parse_size(args.max_buffered),
             frame_timeout=args.frame_timeout, max_connections=args.max_connections, auth_timeout=args.auth_timeout,
             max_auth_frame=args.max_auth_frame, max_keys=args.max_keys, max_description=args.max_description,
-            max_namespaces=args.max_namespaces,
+            max_namespaces=args.max_namespaces, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+            metrics_max_connections=args.metrics_max_connections,
         )
         return serve(config)
     except (ValueError, ArenaError, RuntimeError, OSError) as error:

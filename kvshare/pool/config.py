@@ -43,6 +43,9 @@ class PoolConfig:
     l2: L2Config | None = None  # --l2 and the --l2-* flags; None: no L2 tier
     max_leased_pages_per_client: int | None = None  # None: half the arena; 0: no limit
     group: str = ""  # group that owns the socket and arena (both mode 0660); "" -> the user's primary group
+    metrics_port: int = 0  # Prometheus text on http://metrics_host:metrics_port/metrics; 0: off
+    metrics_host: str = "127.0.0.1"
+    metrics_max_connections: int = 8  # scrapes open at once; more are closed unanswered
 
     def __post_init__(self):
         if self.page_size <= 0 or self.page_size % 4096:
@@ -64,6 +67,10 @@ class PoolConfig:
                      "max_namespaces"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be a TCP port (0: no metrics endpoint), got {self.metrics_port}")
+        if self.metrics_max_connections <= 0:
+            raise ValueError(f"--metrics-max-connections must be positive, got {self.metrics_max_connections}")
         if self.frame_timeout <= 0 or self.auth_timeout <= 0:
             raise ValueError("--frame-timeout and --auth-timeout must be positive")
         if self.max_buffered < self.max_frame:

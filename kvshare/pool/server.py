@@ -94,6 +94,8 @@ class PoolServer:
         if self.config.tcp:
             host, port = self.config.tcp.rsplit(":", 1)  # asyncio sets TCP_NODELAY on TCP transports
             servers.append(await loop.create_server(lambda: self._connection(False), host, int(port)))
+        if self.config.metrics_port:
+            servers.append(await self._serve_metrics())
         announce(f"serving on {self.config.socket}" + (f" and tcp {self.config.tcp}" if self.config.tcp else "")
                  + f" (arena {self.arena.path}, {format_size(self.arena.size)}, {self.config.num_pages} pages of "
                  f"{format_size(self.config.page_size)})")
@@ -112,6 +114,16 @@ class PoolServer:
         for server in servers:
             server.close()
         announce("shutting down")
+
+    async def _serve_metrics(self) -> asyncio.Server:
+        """The Prometheus endpoint, on this loop: it reads STATS through _stats(), on the loop thread that owns
+        PoolState (kvshare.pool.metrics says why not a thread)."""
+        from kvshare.pool.metrics import MetricsEndpoint  # lazy: prometheus-client is read only with --metrics-port
+
+        endpoint = MetricsEndpoint(self._stats, self.config.frame_timeout, self.config.metrics_max_connections)
+        server = await endpoint.start(self.config.metrics_host, self.config.metrics_port)
+        announce(f"metrics on http://{self.config.metrics_host}:{self.config.metrics_port}/metrics")
+        return server
 
     def _from_preparer(self, loop: asyncio.AbstractEventLoop, nbytes: int, started: float) -> None:
         """Called on the preparation thread: hand the progress to the loop's thread, which owns PoolState."""

@@ -24,6 +24,7 @@ _FLAGS = {  # start_pool keyword -> serve flag
     "max_frame": "--max-frame", "max_buffered": "--max-buffered", "frame_timeout": "--frame-timeout",
     "max_connections": "--max-connections", "auth_timeout": "--auth-timeout", "max_auth_frame": "--max-auth-frame",
     "max_keys": "--max-keys", "max_description": "--max-description", "max_namespaces": "--max-namespaces",
+    "metrics_port": "--metrics-port", "metrics_max_connections": "--metrics-max-connections",
 }
 
 
