@@ -75,6 +75,8 @@ class DecisionBenchResult(msgspec.Struct):
     l2_rate_mb_s: float
     reps: int
     promote_timeout_s: float
+    promote_mb_s: float  # pool W's promotions as its STATS report them (l2_promoted_bytes / l2_promote_seconds)
+    load_gb_s: float  # replica W's loads from its pool (its /metrics)
     summary: list[LengthSummary]
     rows: list[Row]
 
@@ -95,15 +97,27 @@ def _replica(stack: contextlib.ExitStack, name: str, config: DecisionBenchConfig
     return _Replica(name, stack.enter_context(ServerProcess(argv, port, name)))
 
 
-def _counters(http: httpx.Client, url: str) -> dict[str, float]:
-    text = http.get(f"{url}/metrics").text
-    wanted = {f"kvshare_pool_l2_promote_{d}_total": d for d in DECISIONS}
-    values = {d: 0.0 for d in DECISIONS}
-    for line in text.splitlines():
+def _metrics(http: httpx.Client, url: str, names: dict[str, str]) -> dict[str, float]:
+    """{short name: value} of the replica's counters named by `names` (metric name -> short name); 0 if absent."""
+    values = dict.fromkeys(names.values(), 0.0)
+    for line in http.get(f"{url}/metrics").text.splitlines():
         name, _, value = line.partition(" ")
-        if name in wanted:
-            values[wanted[name]] = float(value)
+        if name in names:
+            values[names[name]] = float(value)
     return values
+
+
+def _counters(http: httpx.Client, url: str) -> dict[str, float]:
+    return _metrics(http, url, {f"kvshare_pool_l2_promote_{d}_total": d for d in DECISIONS})
+
+
+def _rates(http: httpx.Client, pool_w: str, w: _Replica) -> tuple[float, float]:
+    """(pool W's promote MB/s, replica W's load GB/s) over the whole run."""
+    with PoolClient.connect(pool_w, map_arena=False) as client:
+        stats = client.stats()
+    load = _metrics(http, w.url, {"kvshare_pool_load_bytes_total": "bytes", "kvshare_pool_load_seconds_total": "s"})
+    promote = stats.l2_promoted_bytes / stats.l2_promote_seconds / 1e6 if stats.l2_promote_seconds else 0.0
+    return promote, load["bytes"] / load["s"] / 1e9 if load["s"] else 0.0
 
 
 def _wait_written(address: str, before: int, chunks: int, timeout: float = 120.0) -> int:
@@ -207,8 +221,10 @@ def run_bench(config: DecisionBenchConfig) -> int:
         run = _Run(config, http, model_info(http, a.url).name, a, pool_a, arms)
         run.warm_up()
         rows = run.measure()
+        promote_mb_s, load_gb_s = _rates(http, pool_w, arms["always"])
     result = DecisionBenchResult(config.command, machine(), config.l2_rate / 1e6, config.reps,
-                                 config.promote_timeout, summarize(rows, config.lengths), rows)
+                                 config.promote_timeout, promote_mb_s, load_gb_s, summarize(rows, config.lengths),
+                                 rows)
     (config.out_dir / "l2-decision.json").write_bytes(msgspec.json.format(msgspec.json.encode(result)) + b"\n")
     text = markdown(result)
     (config.out_dir / "l2-decision.md").write_text(text)
@@ -222,7 +238,9 @@ def markdown(r: DecisionBenchResult) -> str:
         "# The L2 decision on a mix of prompt lengths", "",
         f"Command: `{r.command}`  ", f"Machine: {r.machine}  ",
         f"Link to L2: {r.l2_rate_mb_s:g} MB/s (throttled loopback proxy); promote timeout {r.promote_timeout_s:g} s; "
-        f"{r.reps} fresh documents per length, mixed order; median time to first token at the client.", "",
+        f"{r.reps} fresh documents per length, mixed order; median time to first token at the client. Measured "
+        f"over the run: pool W promoted at {r.promote_mb_s:.2f} MB/s (its STATS), replica W loaded from its pool at "
+        f"{r.load_gb_s:.2f} GB/s (its /metrics).", "",
         "| prompt tokens | recompute (R) s | decide (D) s | always (W) s | D / R | W / R | D's decisions |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
