@@ -5,9 +5,11 @@ full PCIe speed (~55 GB/s on the H200 host instead of ~6.7 GB/s through pageable
 for 32 GiB of touched /dev/shm; a fresh replica attached to a 100 GiB pool took ~35-50 s more to start: the
 registration faults in every page this process has not touched), and one registration of >= 512 GiB fails on some
 drivers. So an arena view is registered as `Pieces`: ranges of whole pages of at most
-`piece_bytes` each, registered by a few threads in the background (the replica is ready at once), while a transfer
-waits only for the pieces its pages lie in (`Registration.ensure`), taking a piece nobody has started yet on its own
-thread. A copy never spans two pieces (kvshare.transfer.cuda.page_runs): each is its own allocation to the driver.
+`piece_bytes` each, registered by a few threads in the background, while a transfer waits only for the pieces its
+pages lie in (`Registration.ensure`), taking a piece nobody has started yet on its own thread. Measured on an H200
+(docs/results/h200/NOTES.md, run 12): the engine's thread still waited for every piece before it was ready, and more
+threads registered no faster: the registering thread holds the GIL or a driver lock meanwhile (not told apart yet).
+A copy never spans two pieces (kvshare.transfer.cuda.page_runs): each is its own allocation to the driver.
 
 Invariants:
 - A piece is registered at most once per process; unregistered only by `close()` (before the mapping goes away).
