@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvshare import checksum as ck
+from kvshare.transfer.checksum import torch_terms_sum
 
 M = (1 << 64) - 1
 
@@ -82,8 +83,8 @@ def _torch_checksum(staging: np.ndarray, nbytes: int, page_size: int, used: int,
     before = words.clone()
     coefficients = torch.from_numpy(ck.chunk_coefficients(nbytes, page_size, used)).to(device)
     half = max(1, words.shape[0] // 2)  # two slots, summed on the host as the transfer does
-    parts = [ck.torch_terms_sum(words[:half], coefficients[:half]),
-             ck.torch_terms_sum(words[half:], coefficients[half:])]
+    parts = [torch_terms_sum(words[:half], coefficients[:half]),
+             torch_terms_sum(words[half:], coefficients[half:])]
     assert torch.equal(words, before)  # staging is only read: a store's DMA reads it at the same time
     return ck.finish(sum(int(p) for p in parts) & M, nbytes)
 
