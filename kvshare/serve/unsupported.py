@@ -8,6 +8,7 @@ explicitly); harmless (bookkeeping that changes no output); or unknown, refused 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from kvshare.serve.schema import ApiError
@@ -92,10 +93,4 @@ def _same(value: Any, neutral: Any) -> bool:
 
 def _shown(neutral: tuple[Any, ...]) -> str:
     values = [v for v in neutral if v is not None]
-    return " or ".join(_json(v) for v in values) if values else "null"
-
-
-def _json(value: Any) -> str:
-    import json
-
-    return json.dumps(value)
+    return " or ".join(json.dumps(v) for v in values) if values else "null"
