@@ -43,8 +43,8 @@ def families(stats: PoolStats) -> Iterator[Metric]:
     """The metric families of one STATS snapshot."""
     for name in stats.__struct_fields__:
         value = getattr(stats, name)
-        if isinstance(value, dict):
-            continue  # requests (below) and per-connection leases
+        if not isinstance(value, (int, float)):  # bool is an int: 0/1
+            continue  # requests (below), per-connection leases, anything else not a number
         family = CounterMetricFamily if name in COUNTERS else GaugeMetricFamily
         help_text = f"the pool's STATS field {name} (kvshare pool stats)"
         yield family(PREFIX + RENAMED.get(name, name), help_text, value=float(value))
