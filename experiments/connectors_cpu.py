@@ -395,10 +395,11 @@ def hook_times(work: Path, arm: str) -> dict:
     out = {}
     for role in ("A", "B"):
         times: dict[str, list[float]] = {}
-        for line in (work / f"vllm-{arm}-{role}.log").read_text(errors="replace").splitlines():
-            if "kvshare-timing " in line:
-                hook, seconds = line.split("kvshare-timing ", 1)[1].split()[:2]
-                times.setdefault(hook, []).append(float(seconds))
+        for log in sorted(work.glob(f"vllm-{arm}-{role}.*log")):  # restarted replicas' earlier logs too
+            for line in log.read_text(errors="replace").splitlines():
+                if "kvshare-timing " in line:
+                    hook, seconds = line.split("kvshare-timing ", 1)[1].split()[:2]
+                    times.setdefault(hook, []).append(float(seconds))
         out[role] = {hook: {"n": len(v), "median": sorted(v)[len(v) // 2], "max": max(v)} for hook, v in times.items()}
     return out
 

@@ -51,7 +51,7 @@ def summarize(rows: list[dict]) -> dict:
                 "a_minus_off": cell(overhead),
                 "b_hit_tokens": sorted({r["external_hit_tokens"] for r in ok_b
                                         if r["external_hit_tokens"] is not None}),
-                "exact": sum(1 for r in mine if r["exact"]), "answers": len(mine),
+                "exact": sum(1 for r in mine if r["exact"]), "answers": sum(1 for r in mine if not r["error"]),
                 "errors": sorted({r["error"] for r in mine if r["error"]}),
             }
     probes = [r for r in rows if r["kind"] == "probe"]
@@ -91,7 +91,8 @@ def markdown(meta: dict, summary: dict) -> str:
                          f"short (first: {deaths[0][:200]})")
     lines += ["", "## B's TTFT: the prompt A stored, loaded on another replica (seconds)", "",
               "median (min-max, IQR, n); hits = tokens vLLM counted as loaded by the connector; exact = answers "
-              "(A's and B's) equal to the no-connector replica's", "",
+              "(A's and B's) equal to the no-connector replica's, of those answered (failed requests are listed "
+              "under Failures)", "",
               "| length | no connector | " + " | ".join(f"{a} B | {a} hits | {a} exact" for a in arms) + " |",
               "| --- | --- | " + " | ".join("--- | --- | ---" for _ in arms) + " |"]
     for n in lengths:
@@ -157,7 +158,7 @@ def plot(out: Path, summary: dict, label: str) -> None:
             sel = [i for i, n in enumerate(xs) if keep(n)]
             ax.errorbar([xs[i] for i in sel], [ys[i] for i in sel], yerr=[[lo[i] for i in sel], [hi[i] for i in sel]],
                         marker="o", capsize=3, label=f"{arm} (B)")
-    for ax, title in zip(axes, ("one block past a 256-token boundary", "unaligned")):
+    for ax, title in zip(axes, ("two tokens past a 256-token boundary", "unaligned")):
         xs = [n for n in lengths if ((n - 1) % 256 <= 8) == (title != "unaligned")]
         ax.plot(xs, [summary["off"][n]["median"] for n in xs], "k--", marker="x", label="no connector")
         ax.set(title=title, xlabel="prompt tokens", ylabel="TTFT s (median, min-max)", yscale="log")
