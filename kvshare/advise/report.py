@@ -147,12 +147,15 @@ def plot(r: Report, path: Path) -> None:
     ax.plot(tokens, [row.recompute_s for row in r.lengths], "o-", label="recompute")
     ax.plot(tokens, [row.pool_s for row in r.lengths], "s-", label="pool hit")
     ax.plot(tokens, [row.l2_s for row in r.lengths], "^-", label="L2 hit")
-    for point in r.break_even_l2:
-        ax.axvline(point, color="gray", linestyle=":", linewidth=1)
-        ax.annotate(f"L2 break-even {_tokens(point)}", (point, ax.get_ylim()[0]), rotation=90, fontsize=8,
-                    va="bottom", ha="right")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    low, high = ax.get_ylim()
+    for name, points, color in (("pool", r.break_even_pool, "tab:orange"), ("L2", r.break_even_l2, "tab:green")):
+        for point in (p for p in points if tokens[0] <= p <= tokens[-1]):
+            ax.axvline(point, color=color, linestyle=":", linewidth=1)
+            ax.annotate(f"{name} break-even {_tokens(point)}", (point, low), rotation=90, fontsize=8,
+                        va="bottom", ha="right", color=color)
+    ax.set_ylim(low, high)
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("time to first token, s (model)")
     ax.set_title("load or recompute")
