@@ -8,6 +8,10 @@ predicts B's pool hit for a prompt of n tokens that A stored: (n - 1) // 16 * 16
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+import time
+
 import pytest
 
 from kvshare.connector import ConnectorConfig
@@ -122,3 +126,38 @@ def test_tail_keys_are_apart_from_chunk_keys_and_bounded():
     assert plan.keys[1] == tail_key(full, token_bytes(tokens[:32]))
     long_prompt = list(range(256 * 1024 + 100))  # 256k tokens: 1,024 chunks of 256 and one tail, never 16k blocks
     assert len(prompt_chunks(namespace, long_prompt, 256, 16)) == 1025
+
+
+class GatedTransfer:
+    """A transfer whose stores wait for a gate: the window between RESERVE and the copies' end, held open."""
+
+    def __init__(self, inner, gate: threading.Event):
+        self.inner, self.gate = inner, gate
+
+    def store(self, jobs):
+        self.gate.wait(30)
+        return self.inner.store(jobs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_tail_is_found_only_after_its_commit(engines):
+    """I2 with the storer thread: a store that is still copying (tail included) is invisible to another replica, and
+    the engine keeps the blocks it reads until the copies are over (its handle is not done)."""
+    _, a, b = engines
+    prompt = prompt_of(100, seed=3)  # chunk 0 and a 32-token tail
+    with start_pool("64MiB", page_size="64KiB") as (address, _):
+        core_a, core_b = attach(a, address).core, attach(b, address).core
+        gate = threading.Event()
+        gated = GatedTransfer(core_a._attached.transfer, gate)
+        core_a._attached = dataclasses.replace(core_a._attached, transfer=gated)
+        handle = core_a.store(prompt, list(range(7)), 0, tail=True)
+        time.sleep(0.2)  # the storer has reserved and waits at the gate
+        assert not handle.done() and core_b.find(prompt, 0) is None
+        gate.set()
+        core_a.flush()
+        assert handle.done()
+        hit = core_b.find(prompt, 0)
+        assert hit is not None and hit.end == 96 and hit.counts == [CHUNK, 32]
+        core_b.release_hit(hit)
