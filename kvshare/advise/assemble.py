@@ -9,7 +9,7 @@ import msgspec
 
 from kvshare.advise import calibrate
 from kvshare.advise.calibrate import Inputs
-from kvshare.advise.model import SessionKind
+from kvshare.costmodel import SessionKind
 
 
 class AdviseError(Exception):

@@ -19,7 +19,7 @@ import httpx
 import msgspec
 import numpy as np
 
-from kvshare.advise.model import PrefillCurve, PrefillSample, Rates
+from kvshare.costmodel import PrefillCurve, PrefillSample, Rates
 
 TOKEN_IDS = (100, 1000)  # random prompt ids come from this range: inside every model's vocabulary (tiny: 1024)
 

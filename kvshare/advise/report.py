@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 
 from kvshare.advise.calibrate import Inputs
-from kvshare.advise.model import CostModel, PrefillCurve, SessionKind, mix_gain, session_estimate
+from kvshare.costmodel import CostModel, PrefillCurve, SessionKind, mix_gain, session_estimate
 
 
 class LengthRow(msgspec.Struct):

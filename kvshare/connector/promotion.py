@@ -1,6 +1,6 @@
 """PromotionPolicy: when the pool holds less of a prompt than its chunks (an L1 miss, or a short hit), does promoting
 the rest from L2 beat recomputing it? Decided per request with the cost model of `kvshare advise`
-(kvshare.advise.model) and the rates this replica measures as it runs:
+(kvshare.costmodel) and the rates this replica measures as it runs:
 
 - its prefill times: the engine reports each prefill (new tokens, tokens already cached, seconds), and the last
   WINDOW of them fit the prefill curve;
@@ -26,8 +26,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from kvshare.advise.model import CostModel, PrefillCurve, PrefillSample, Rates
 from kvshare.connector.contract import ConnectorStats
+from kvshare.costmodel import CostModel, PrefillCurve, PrefillSample, Rates
 
 MODES = ("decide", "always")
 MIN_SAMPLES = 3  # prefills of distinct lengths before the curve is trusted

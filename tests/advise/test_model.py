@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from kvshare.advise.model import CostModel, PrefillCurve, PrefillSample, Rates, SessionKind, mix_gain, session_estimate
+from kvshare.costmodel import CostModel, PrefillCurve, PrefillSample, Rates, SessionKind, mix_gain, session_estimate
 
 CURVE = PrefillCurve(fixed_s=0.05, per_token_s=1e-4, per_pair_s=1e-9)
 
