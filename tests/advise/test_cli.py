@@ -9,7 +9,6 @@ import sys
 
 import pytest
 
-from kvshare.engine.make_model import make_model
 from kvshare.processes import ServerProcess, free_port, kvshare_argv
 
 H200 = ["--prefill", "8k:1.031,32k:4.932,128k:35.540,255k:114.509", "--kv-bytes-per-token", "262144",
@@ -58,13 +57,12 @@ def test_bad_inputs_get_one_line_and_no_traceback(args, message):
     assert len(done.stderr.strip().splitlines()) == 1
 
 
-def test_calibration_against_a_real_replica(tmp_path):
-    model_dir = make_model("tiny", tmp_path / "tiny")
+def test_calibration_against_a_real_replica(tmp_path, tiny_model):
     port = free_port()
-    with ServerProcess(kvshare_argv("serve", "--model", str(model_dir), "--port", str(port), "--threads", "1"),
+    with ServerProcess(kvshare_argv("serve", "--model", str(tiny_model), "--port", str(port), "--threads", "1"),
                        port, "replica") as replica:
         done = _advise("--replica", replica.url, "--calibrate-lengths", "64,512", "--calibrate-repeats", "2",
-                       "--model-dir", str(model_dir), "--load-gb-s", "2", "--l2-gb-s", "0.5", "--out",
+                       "--model-dir", str(tiny_model), "--load-gb-s", "2", "--l2-gb-s", "0.5", "--out",
                        str(tmp_path / "out"), timeout=300)
     assert done.returncode == 0, done.stderr
     inputs = json.loads((tmp_path / "out" / "advise-inputs.json").read_text())

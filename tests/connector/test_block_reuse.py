@@ -19,7 +19,6 @@ from kvshare.engine.api import GenerationRequest, SamplingParams
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.engine import Engine, generate
 from kvshare.engine.pool_connector import PoolConnector
-from kvshare.engine.testing import make_tiny_model
 from kvshare.keys import chunk_keys, prompt_chunks, tail_key, token_bytes
 from kvshare.pool.client import read_stats
 from kvshare.pool.testing import start_pool
@@ -30,15 +29,10 @@ GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 LENGTHS = (79, 80, 81, 127, 128, 129)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("block-reuse"))
-
-
 @pytest.fixture
-def engines(model_dir):
+def engines(tiny_model):
     """A cache-OFF reference and two engines whose connectors are attached per test."""
-    made = [Engine(EngineConfig(model=str(model_dir), max_model_len=512, num_blocks=128, block_size=BLOCK))
+    made = [Engine(EngineConfig(model=str(tiny_model), max_model_len=512, num_blocks=128, block_size=BLOCK))
             for _ in range(3)]
     yield made
     for engine in made:

@@ -26,16 +26,13 @@ LENGTHS = (639, 640, 641, 767, 768, 769)
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    from kvshare.engine.make_model import make_model
-
+def deployment(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("vllm-block-reuse")
-    model = make_model("tiny", tmp / "model")
     with start_pool("512MiB") as (address, pool_process):
         replicas = []
         try:
             for name, pool in (("A", address), ("B", address), ("C", None)):
-                replicas.append(Replica(name, model, tmp, pool))
+                replicas.append(Replica(name, tiny_model, tmp, pool))
             deadline = time.monotonic() + START_TIMEOUT_S
             for replica in replicas:
                 replica.wait_ready(deadline)
