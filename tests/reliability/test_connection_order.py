@@ -28,7 +28,7 @@ class HeldL2:
         self.state, self.release = state, asyncio.Event()
 
     async def lookup(self, client: int, namespace: bytes, keys: list[bytes], blob: bytes | memoryview,
-                     lengths: list[int]) -> p.LookupReply:
+                     lengths: list[int], promote: bool = True) -> p.LookupReply:
         blob = bytes(blob)  # as the real tier: the answer outlives the frame it came in
         await self.release.wait()
         return self.state.lookup_joined(client, namespace, keys, blob, lengths)
