@@ -173,22 +173,11 @@ def oversized_declared_body(probe: Probe) -> Verdict:
 
 
 def oversized_chunked_body(probe: Probe) -> Verdict:
-    """Streams a chunked body of up to `body_bytes`; the server must answer 413 once its limit is passed."""
-    sent = 0
-
-    def chunks():
-        nonlocal sent
-        while sent < probe.body_bytes:
-            sent += 1 << 20
-            yield b" " * (1 << 20)
-
-    try:
-        response = httpx.post(f"{probe.base}{COMPLETIONS}", content=chunks(), timeout=probe.patience_s,
-                              headers={"content-type": "application/json"}, trust_env=False)
-    except httpx.HTTPError as error:
-        return Verdict(f"no answer after {sent >> 20} MiB ({type(error).__name__})", False)
-    return Verdict(f"{response.status_code} after sending {sent >> 20} of {probe.body_bytes >> 20} MiB",
-                   response.status_code == 413 and sent < probe.body_bytes)
+    """Uploads a chunked body of up to `body_bytes` at a steady pace; the server must answer 413 once its limit is
+    passed, before the upload ends."""
+    upload = raw_http.paced_chunked_upload(probe.base, COMPLETIONS, probe.body_bytes, probe.patience_s)
+    return Verdict(f"{upload.status or 'no answer'} after sending {upload.sent >> 20} of {probe.body_bytes >> 20} MiB",
+                   upload.status == 413 and upload.sent < probe.body_bytes)
 
 
 def huge_headers(probe: Probe) -> Verdict:

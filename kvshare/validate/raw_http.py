@@ -3,6 +3,7 @@ bodies cut short, streams that are never read. Every call is bounded in time (so
 
 from __future__ import annotations
 
+import select
 import socket
 import time
 from dataclasses import dataclass
@@ -117,3 +118,54 @@ def stall_stream(base: str, request: bytes, held_s: float, drain_s: float = 5.0)
         sock.close()
     finished = b"data: [DONE]" in ending.received
     return Stall(ending.closed_after_s is not None and not finished, finished, len(ending.received))
+
+
+@dataclass(frozen=True)
+class Upload:
+    """How a paced chunked upload ended: `sent` body bytes handed to the socket, `status` of the answer (0: none)."""
+
+    sent: int
+    status: int
+
+
+def paced_chunked_upload(base: str, path: str, total: int, patience_s: float, piece: int = 256 << 10,
+                         pause_s: float = 0.02) -> Upload:
+    """POSTs a chunked body of up to `total` bytes in `piece`s, looking for an answer for `pause_s` after each.
+
+    Paced on purpose: a client that blasts the body lets loopback's socket buffers (several MiB each way) swallow it
+    before a server that refused it early has been scheduled to say so, so "answered before the whole body was sent"
+    would measure the kernel, not the server. At ~12 MB/s a server that answers once its limit is passed is heard
+    long before the end; one that reads the whole body first is not."""
+    sock = connect(base, timeout_s=patience_s)
+    sent = 0
+    try:
+        head = request_head("POST", path, base, headers={"Content-Type": "application/json",
+                                                         "Transfer-Encoding": "chunked"})
+        sock.sendall(head)
+        while sent < total:
+            readable, _, _ = select.select([sock], [], [], pause_s)
+            if readable:
+                break
+            size = min(piece, total - sent)
+            try:
+                sock.sendall(b"%x\r\n" % size + b" " * size + b"\r\n")
+            except OSError:  # reset: the server refused and closed; its answer may still be queued
+                break
+            sent += size
+        else:
+            try:
+                sock.sendall(b"0\r\n\r\n")
+            except OSError:
+                pass
+        return Upload(sent, status_of(_first_bytes(sock, patience_s)))
+    finally:
+        sock.close()
+
+
+def _first_bytes(sock: socket.socket, patience_s: float) -> bytes:
+    """What the server has answered (the start of it), or b"" if nothing arrives within `patience_s`."""
+    sock.settimeout(patience_s)
+    try:
+        return sock.recv(4096)
+    except OSError:
+        return b""
