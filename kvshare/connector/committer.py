@@ -23,6 +23,7 @@ class PendingStore:
     refs: list[ChunkRef]
     handle: TransferHandle
     started: float  # perf_counter() when the store began
+    on_copied: Callable[[], None] = lambda: None  # once the copies and their checksums are over (or failed)
 
 
 class Committer:
@@ -57,6 +58,8 @@ class Committer:
             except Exception as error:  # noqa: BLE001 - an unfinished store is dropped, never committed
                 self._failures.record("store copy", error, "dropping that store")
                 continue
+            finally:
+                item.on_copied()  # nothing reads or writes the arena for this store any more
             if self._commit(item.lease, checksums):
                 self._stats.stores += len(item.refs)
                 self._stats.store_bytes += sum(ref.nbytes for ref in item.refs)

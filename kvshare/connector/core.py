@@ -28,6 +28,7 @@ from typing import Sequence
 import msgspec
 import torch
 
+from kvshare.connector.arena_life import ArenaLife
 from kvshare.connector.committer import Committer, PendingStore
 from kvshare.connector.config import ConnectorConfig
 from kvshare.connector.contract import ConnectorStats, StoreHandle
@@ -37,7 +38,7 @@ from kvshare.connector.promotion import PromotionPolicy
 from kvshare.connector.storer import Storer, StoreTask
 from kvshare.keys import Namespace, PromptChunks, chunk_keys, prompt_chunks, token_bytes
 from kvshare.pool.client import LookupResult, NewChunk, PoolClient
-from kvshare.transfer import SKIP, KVLayout, LoadJob, StoreJob, Transfer, TransferOptions, arena_pages, make_transfer
+from kvshare.transfer import SKIP, KVLayout, LoadJob, StoreJob, TransferOptions, arena_pages, make_transfer
 
 log = logging.getLogger("kvshare.connector")
 
@@ -70,15 +71,6 @@ class EngineKV:
     kv_caches: list[torch.Tensor]
 
 
-@dataclass(frozen=True)
-class Attached:
-    """One pool life and the transfer over its arena, replaced as one object on each new connection, so that
-    readers on other threads never pair one pool life's page numbers with another life's arena."""
-
-    instance: str = ""  # _instance_of the connection; "" before the first
-    transfer: Transfer | None = None  # None when this half has no KV tensors
-
-
 def _instance_of(client: PoolClient) -> str:
     """Which pool life a connection talks to: a restarted pool reuses page numbers (and maybe its arena path) for
     other bytes, and its random instance id tells the lives apart."""
@@ -102,10 +94,11 @@ class ConnectorCore:
         self.stats = ConnectorStats()
         self._base_namespace = namespace
         self._kv: EngineKV | None = None
-        self._attached = Attached()
+        self._attached = ArenaLife()  # replaced as one object on each new connection, so that readers on other
+        # threads never pair one pool life's page numbers with another life's arena
         self._lease_limit = 0  # pages one connection may hold under leases (the pool's STATS; 0: none)
         self._failures = Failures(self.stats)
-        self._link = PoolLink(config, self._failures, self._on_connect)
+        self._link = PoolLink(config, self._failures, self._on_connect, self._on_disconnect)
         self._committer = Committer(self._commit, self.stats, self._failures)
         self._storer = Storer(self._store_task, self._failures)
         self.promotion = PromotionPolicy(config.l2_promotion, config.chunk_tokens, self.stats)
@@ -230,7 +223,19 @@ class ConnectorCore:
             options = TransferOptions(checksums=config.checksums_on, register_piece_bytes=config.register_piece,
                                       register_threads=config.register_threads, register_ahead=config.register_ahead)
             transfer = make_transfer(self._kv.layout, self._kv.kv_caches, arena_pages(client), options=options)
-        self._attached = Attached(_instance_of(client), transfer)
+        retired, self._attached = self._attached, ArenaLife(_instance_of(client), transfer, client)
+        retired.retire()  # normally retired already, by _on_disconnect
+
+    def _on_disconnect(self, client: PoolClient) -> None:
+        # Called under the link's lock once `client`'s connection failed or closed: its pool life ends here. Copies
+        # under way finish on the old arena (their pages are leased, or the pool is gone); then it is unregistered
+        # and unmapped (kvshare.connector.arena_life), so a dead pool's memory is not held until a reconnect.
+        life = self._attached
+        if life.instance == _instance_of(client):
+            self._attached = ArenaLife()
+            life.retire()
+        else:
+            client.close()
 
     def load(self, hit: PoolHit, block_ids: Sequence[int], num_computed: int, release: bool = True) -> bool:
         """Load the hit's chunks into `block_ids` (the request's block table), skipping blocks below num_computed.
@@ -258,10 +263,19 @@ class ConnectorCore:
         return ok
 
     def _load(self, hit: PoolHit, block_ids: Sequence[int], num_computed: int) -> bool:
-        attached, kv = self._attached, self._kv
-        transfer = attached.transfer
-        if transfer is None or kv is None or hit.pool_instance != attached.instance:
+        life, kv = self._attached, self._kv
+        if hit.pool_instance != life.instance or not life.acquire():
             return False  # the pool restarted since the lookup: those page numbers now mean other bytes
+        try:
+            return self._load_from(life, kv, hit, block_ids, num_computed)
+        finally:
+            life.release()  # after the copies and the hash are over (handle.wait below)
+
+    def _load_from(self, life: ArenaLife, kv: EngineKV | None, hit: PoolHit, block_ids: Sequence[int],
+                   num_computed: int) -> bool:
+        transfer = life.transfer
+        if transfer is None or kv is None:
+            return False
         # Verification hashes the bytes the load reads: on a GPU from each staging slot after its copy, beside the
         # scatter (only the last slot's hash outlasts the copies); on a CPU, on host threads from the pages while
         # the copies run (the read lease keeps them unchanged). A mismatch fails the load after its copies have
@@ -346,9 +360,26 @@ class ConnectorCore:
         if found is None:
             return None
         reservation, reserved_in = found
-        attached = self._attached
-        transfer = attached.transfer
-        if transfer is None or reserved_in != attached.instance:  # reconnected in between: another arena's pages
+        life = self._attached
+        if reserved_in != life.instance or not life.acquire():  # reconnected in between: another arena's pages
+            if reservation.lease:
+                self._link.call("release", lambda c: c.release(reservation.lease))
+            return None
+        try:
+            handle = self._store_into(life, kv, plan, first, reservation, block_ids, started)
+        except BaseException:
+            life.release()
+            raise
+        if handle is None:
+            life.release()
+        return handle
+
+    def _store_into(self, life: ArenaLife, kv: EngineKV, plan: PromptChunks, first: int, reservation,
+                    block_ids: Sequence[int], started: float) -> StoreHandle | None:
+        """The copies of a reserved store, through `life` (acquired: the committer releases it once they are over,
+        or the caller does when this returns None)."""
+        transfer = life.transfer
+        if transfer is None:
             if reservation.lease:
                 self._link.call("release", lambda c: c.release(reservation.lease))
             return None
@@ -369,7 +400,7 @@ class ConnectorCore:
         handle = transfer.store(jobs)
         # COMMIT only after the copies finished (I2): the committer thread waits on the handle and its checksums (from
         # the bytes the store wrote), then commits.
-        self._committer.submit(PendingStore(reservation.lease, refs, handle, started))
+        self._committer.submit(PendingStore(reservation.lease, refs, handle, started, on_copied=life.release))
         return StoreHandle(is_done=handle.done, block_ids=tuple(b for job in jobs for b in job.block_ids))
 
     def _commit(self, lease: int, checksums: list[int]) -> bool:
@@ -403,3 +434,4 @@ class ConnectorCore:
     def close(self) -> None:
         self.flush(10.0)
         self._link.close()
+        self._attached.retire()

@@ -23,8 +23,13 @@ class PoolLink:
     traceback. The lock serialises (re)connection only; the client itself is thread-safe per request.
     """
 
-    def __init__(self, config: ConnectorConfig, failures: Failures, on_connect: Callable[[PoolClient], None]):
-        self._config, self._failures, self._on_connect = config, failures, on_connect
+    def __init__(self, config: ConnectorConfig, failures: Failures, on_connect: Callable[[PoolClient], None],
+                 on_disconnect: Callable[[PoolClient], None] = lambda client: client.close()):
+        """on_connect(client) runs under the lock for each new connection before it is used; on_disconnect(client)
+        once that connection has failed or is closed, under the lock, and must close the client (the owner of the
+        arena mapping) once nothing copies through it (kvshare.connector.arena_life)."""
+        self._config, self._failures = config, failures
+        self._on_connect, self._on_disconnect = on_connect, on_disconnect
         self._client: PoolClient | None = None
         self._down_until = 0.0
         self._lock = threading.Lock()
@@ -67,6 +72,8 @@ class PoolLink:
                 if self._client is client:
                     self._client = None
                     self._mark_down(error)
+                    # At once, not at the next connection: the dead pool's arena stays in memory while mapped.
+                    self._on_disconnect(client)
             return None
         except (PoolError, OSError) as error:
             self._failures.record(what, error)
@@ -80,5 +87,5 @@ class PoolLink:
     def close(self) -> None:
         with self._lock:
             if self._client is not None:
-                self._client.close()
+                self._on_disconnect(self._client)
                 self._client = None

@@ -10,7 +10,7 @@ import torch
 
 from kvshare.transfer.blocks import BlockSpace, build_block_space
 from kvshare.transfer.checksum import arena_checksum, start_checksums
-from kvshare.transfer.hostmem import DEFAULT_PIECE_BYTES, DEFAULT_THREADS
+from kvshare.transfer.hostmem import DEFAULT_PIECE_BYTES, DEFAULT_THREADS, unregister_pages
 from kvshare.transfer.jobs import ChunkPlan, LoadJob, StoreJob, TransferHandle, plan
 from kvshare.transfer.layout import KVLayout
 
@@ -87,6 +87,12 @@ class Transfer:
         """Unpack each job's pages into its blocks; every later kernel on the current stream sees the result.
         checksums=True: the handle's checksums() are computed from the bytes read (to verify against the writer's)."""
         return self._load(plan(self.space, jobs, self.page_size, self.num_pages, loading=True), checksums)
+
+    def close(self) -> None:
+        """Give the arena back: unregister every DMA piece of it this process registered (CUDA; nothing on a CPU), so
+        the mapping can be unmapped. Call only when no copy through this transfer is in flight, and before the
+        mapping goes (kvshare.connector.arena_life says why); the transfer is not used afterwards."""
+        unregister_pages(self.pages)
 
     def checksum(self, pages: Sequence[int], nbytes: int) -> int:
         """The checksum of a chunk as it lies in the arena now (kvshare.checksum); only after its store is done."""

@@ -8,7 +8,6 @@ predicts B's pool hit for a prompt of n tokens that A stored: (n - 1) // 16 * 16
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 
@@ -144,8 +143,7 @@ def test_a_tail_is_found_only_after_its_commit(engines):
     with start_pool("64MiB", page_size="64KiB") as (address, _):
         core_a, core_b = attach(a, address).core, attach(b, address).core
         gate = threading.Event()
-        gated = GatedTransfer(core_a._attached.transfer, gate)
-        core_a._attached = dataclasses.replace(core_a._attached, transfer=gated)
+        core_a._attached.transfer = GatedTransfer(core_a._attached.transfer, gate)
         handle = core_a.store(prompt, list(range(7)), 0, tail=True)
         time.sleep(0.2)  # the storer has reserved and waits at the gate
         assert not handle.done() and core_b.find(prompt, 0) is None

@@ -11,7 +11,6 @@ import pytest
 
 from kvshare.connector import ConnectorConfig
 from kvshare.engine.api import GenerationRequest, SamplingParams
-from kvshare.engine.config import EngineConfig
 from kvshare.engine.engine import Engine, generate
 from kvshare.engine.pool_connector import PoolConnector
 from kvshare.pool.testing import start_pool
@@ -19,17 +18,6 @@ from kvshare.transfer import KVLayout, arena_pages
 
 CHUNK = 32
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
-
-
-@pytest.fixture
-def engines(tiny_model):
-    """Three engines: a cache-OFF reference and two whose connectors are attached per test."""
-    made = [Engine(EngineConfig(model=str(tiny_model), max_model_len=512, num_blocks=128)) for _ in range(3)]
-    yield made
-    for engine in made:
-        if engine.connector is not None:
-            engine.connector.close()
-        engine.shutdown()
 
 
 def attach(engine: Engine, address: str, **overrides) -> PoolConnector:
