@@ -3,7 +3,10 @@ kv_connector_extra_config)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from kvshare.units import parse_size
 
 
 @dataclass(frozen=True)
@@ -20,3 +23,60 @@ class ConnectorConfig:
     register_piece: int = 16 << 30  # CUDA replicas register the arena for DMA in pieces of at most this many bytes,
     register_threads: int = 4  # on this many background threads (a transfer waits only for its own pieces),
     register_ahead: bool = True  # all pieces from the start; False: only pieces a transfer touches (hostmem.py)
+
+
+# kv_connector_extra_config key -> (ConnectorConfig field, how its value is read). "model_id" is the namespace's.
+_EXTRA: dict[str, tuple[str, Any]] = {
+    "pool": ("address", str),
+    "chunk_tokens": ("chunk_tokens", int),
+    "timeout": ("timeout", float),
+    "verify_checksums": ("verify_checksums", bool),
+    "checksums_on": ("checksums_on", str),
+    "l2_promotion": ("l2_promotion", str),
+    "register_piece": ("register_piece", parse_size),  # "16GiB" or a number of bytes
+    "register_threads": ("register_threads", int),
+    "register_ahead": ("register_ahead", bool),
+}
+EXTRA_KEYS = frozenset(_EXTRA) | {"model_id"}
+_KIND = {str: "a string", int: "an integer", float: "a number", bool: "true or false", parse_size: "a size (\"16GiB\")"}
+
+
+def from_extra_config(extra: Mapping[str, Any]) -> ConnectorConfig:
+    """The ConnectorConfig of vLLM's `kv_connector_extra_config` (a JSON object): "pool" is required, every other key
+    has ConnectorConfig's default; an unknown key, a value of the wrong type or out of range is a ValueError that
+    names it (vLLM shows it at start-up, before any request)."""
+    unknown = set(extra) - EXTRA_KEYS
+    if unknown or "pool" not in extra:
+        raise ValueError(f"KVShareConnector: kv_connector_extra_config needs \"pool\" (the socket of `kvshare pool "
+                         f"serve`) and accepts {sorted(EXTRA_KEYS)}; got {sorted(extra)}")
+    values = {}
+    for key, (field, read) in _EXTRA.items():
+        if key not in extra:
+            continue
+        value = extra[key]
+        if read is bool and not isinstance(value, bool) or read is not bool and isinstance(value, bool):
+            raise ValueError(f"KVShareConnector: kv_connector_extra_config \"{key}\" must be {_KIND[read]}, got "
+                             f"{value!r}")
+        try:
+            values[field] = read(value)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"KVShareConnector: kv_connector_extra_config \"{key}\": {error}") from None
+    config = ConnectorConfig(**values)
+    _check(config)
+    return config
+
+
+def _check(config: ConnectorConfig) -> None:
+    if config.chunk_tokens <= 0 or config.timeout <= 0:
+        raise ValueError("KVShareConnector: \"chunk_tokens\" and \"timeout\" must be positive")
+    if config.checksums_on not in ("device", "host"):
+        raise ValueError(f"KVShareConnector: \"checksums_on\" must be \"device\" or \"host\", got "
+                         f"{config.checksums_on!r}")
+    if config.l2_promotion not in ("decide", "always"):
+        raise ValueError(f"KVShareConnector: \"l2_promotion\" must be \"decide\" or \"always\", got "
+                         f"{config.l2_promotion!r}")
+    if config.register_piece <= 0 or config.register_threads < 1:
+        raise ValueError("KVShareConnector: \"register_piece\" must be positive and \"register_threads\" >= 1")
+
+
+assert {f.name for f in fields(ConnectorConfig)} >= {field for field, _ in _EXTRA.values()}

@@ -14,6 +14,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
 
 from kvshare import identity
 from kvshare.connector import ConnectorConfig
+from kvshare.connector.config import from_extra_config
 from kvshare.keys import Namespace
 from kvshare.transfer import KVLayout
 
@@ -21,25 +22,12 @@ log = logging.getLogger("vllm.kvshare")  # under vLLM's logger, so its handlers 
 
 # vLLM's resolved KVCacheLayout name -> the kvshare.transfer kind that reads it (see the package docstring).
 LAYOUT_KINDS = {"LBHNC": "vllm_lbhnc", "LBNHC": "vllm_lbnhc"}
-_EXTRA_KEYS = {"pool", "chunk_tokens", "timeout", "verify_checksums", "model_id", "l2_promotion"}
 
 
 def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
-    """ConnectorConfig from `kv_connector_extra_config`: {"pool": address, "chunk_tokens", "timeout", ...}."""
-    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-    unknown = set(extra) - _EXTRA_KEYS
-    if unknown or "pool" not in extra:
-        raise ValueError(
-            f"KVShareConnector: kv_connector_extra_config needs \"pool\" (the socket of `kvshare pool serve`) and "
-            f"accepts {sorted(_EXTRA_KEYS)}; got {sorted(extra)}"
-        )
-    return ConnectorConfig(
-        address=str(extra["pool"]),
-        chunk_tokens=int(extra.get("chunk_tokens", 256)),
-        timeout=float(extra.get("timeout", 5.0)),
-        verify_checksums=bool(extra.get("verify_checksums", True)),
-        l2_promotion=str(extra.get("l2_promotion", "decide")),  # "always": every LOOKUP promotes from L2
-    )
+    """ConnectorConfig from `kv_connector_extra_config`: {"pool": address, "chunk_tokens", "timeout", ...}
+    (kvshare.connector.config.from_extra_config lists the keys)."""
+    return from_extra_config(dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {}))
 
 
 def expected_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVLayout:
@@ -89,7 +77,9 @@ def model_identity(vllm_config: VllmConfig) -> str:
     Both connector halves run it; in one process the weight files are hashed once (identity.checkpoint_digest)."""
     model = vllm_config.model_config
     model_id = str((vllm_config.kv_transfer_config.kv_connector_extra_config or {}).get("model_id", ""))
-    computed = f"vllm/dtype={model.dtype}/quantization={model.quantization}"
+    # The KV cache dtype too: fp8_e4m3 and fp8_e5m2 caches are both uint8 tensors to the layout, yet not the same KV.
+    computed = (f"vllm/dtype={model.dtype}/quantization={model.quantization}/"
+                f"kv_cache_dtype={vllm_config.cache_config.cache_dtype}")
     weights = weights_identity(vllm_config, model_id)
     return identity.model_fingerprint(model.hf_config.to_json_string().encode(), f"{weights}|{computed}", model_id)
 
