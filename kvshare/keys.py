@@ -44,6 +44,15 @@ class Namespace:
         if self.chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens must be positive, got {self.chunk_tokens}")
 
+    @classmethod
+    def of_replica(cls, model_fingerprint: str, dtype: str, layout_id: str, block_size: int,
+                   chunk_tokens: int) -> "Namespace":
+        """A replica's namespace (both engines build theirs here). A chunk is whole KV blocks: chunk_tokens must be
+        a multiple of the engine's block size."""
+        if chunk_tokens % block_size:
+            raise ValueError(f"chunk_tokens {chunk_tokens} must be a multiple of the KV block size {block_size}")
+        return cls(model_fingerprint, dtype, layout_id, chunk_tokens)
+
     @functools.cached_property  # computed once per instance (frozen, so it never goes stale)
     def key(self) -> bytes:
         """The 16-byte namespace key: xxh3-128 of the canonical JSON of every field."""

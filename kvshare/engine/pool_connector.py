@@ -10,6 +10,7 @@ from kvshare.connector.config import ConnectorConfig
 from kvshare.connector.contract import StoreHandle
 from kvshare.connector.core import ConnectorCore, PoolHit
 from kvshare.keys import Namespace
+from kvshare.transfer import KVLayout
 
 
 class PoolConnector:
@@ -24,21 +25,12 @@ class PoolConnector:
 
     @classmethod
     def for_engine(cls, engine, config: ConnectorConfig) -> "PoolConnector":
-        from kvshare.transfer import KVLayout
-
         layout = KVLayout.from_tensors(engine.kv_caches, kind="packed_kv", block_size=engine.block_size)
         dtype = str(engine.dtype).removeprefix("torch.")
         if engine.kv_dtype != engine.dtype:  # an fp8 cache: KV bytes of another kind (the layout id differs too)
             dtype += "/kv=" + str(engine.kv_dtype).removeprefix("torch.")
-        namespace = Namespace(
-            model_fingerprint=engine.model_fingerprint,
-            dtype=dtype,
-            layout_id=layout.layout_id(),
-            chunk_tokens=config.chunk_tokens,
-        )
-        if config.chunk_tokens % engine.block_size:
-            raise ValueError(
-                f"--chunk-tokens {config.chunk_tokens} must be a multiple of the block size {engine.block_size}")
+        namespace = Namespace.of_replica(engine.model_fingerprint, dtype, layout.layout_id(), engine.block_size,
+                                         config.chunk_tokens)
         core = ConnectorCore(config, namespace, block_tokens=engine.block_size)
         core.attach(layout, engine.kv_caches)
         return cls(core)

@@ -57,17 +57,12 @@ def expected_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
 def namespace(vllm_config: VllmConfig, layout: KVLayout, chunk_tokens: int) -> Namespace:
     """Replicas of the same model identity (config, weights' bytes, dtype, quantization, "model_id"), KV layout and
     chunk size share; anything else never does."""
-    if chunk_tokens % layout.block_size:
-        raise ValueError(
-            f"KVShareConnector chunk_tokens {chunk_tokens} must be a multiple of vLLM's block size "
-            f"{layout.block_size}: set \"chunk_tokens\" in kv_connector_extra_config or --block-size"
-        )
-    return Namespace(
-        model_fingerprint=model_identity(vllm_config),
-        dtype=str(layout.dtype).removeprefix("torch."),
-        layout_id=layout.layout_id(),
-        chunk_tokens=chunk_tokens,
-    )
+    try:
+        return Namespace.of_replica(model_identity(vllm_config), str(layout.dtype).removeprefix("torch."),
+                                    layout.layout_id(), layout.block_size, chunk_tokens)
+    except ValueError as error:
+        raise ValueError(f"KVShareConnector {error}: set \"chunk_tokens\" in kv_connector_extra_config or vLLM's "
+                         "--block-size") from None
 
 
 def model_identity(vllm_config: VllmConfig) -> str:
