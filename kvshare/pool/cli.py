@@ -70,6 +70,9 @@ def register(cli) -> None:
     metrics.add_argument("--metrics-max-connections", type=int, default=d["metrics_max_connections"].default,
                          metavar="N", help="scrapes open at once; more are closed unanswered; each has "
                          "--frame-timeout seconds (default %(default)s)")
+    serve.add_argument("--no-fault-in", dest="fault_in", action="store_false", help="prepare the arena without "
+                       "faulting its pages in (a faster pool start; the first store into each page and the first GPU "
+                       "replica's registration then pay the kernel's zeroing, ~0.3 s/GiB; default: fault in)")
     serve.add_argument("--keep", action="store_true", help="keep the socket and arena files at shutdown")
     serve.add_argument("--check-integrity", action="store_true", help="debug: verify the pool's bookkeeping after "
                        "every request that changes it (slow for big pools)")
@@ -106,7 +109,7 @@ def _serve(args: argparse.Namespace) -> int:
             size=parse_size(args.size), socket=args.socket, arena=args.arena, page_size=parse_size(args.page_size),
             hugetlb=args.hugetlb, tcp=args.tcp, token=token, lease_timeout=args.lease_timeout,
             high_watermark=args.high_watermark, low_watermark=args.low_watermark, keep=args.keep,
-            check_integrity=args.check_integrity, group=args.group,
+            check_integrity=args.check_integrity, group=args.group, fault_in=args.fault_in,
             max_leased_pages_per_client=args.max_leased_pages_per_client, l2=l2_cli.config_from(args),
             max_frame=parse_size(args.max_frame), max_buffered=parse_size(args.max_buffered),
             frame_timeout=args.frame_timeout, max_connections=args.max_connections, auth_timeout=args.auth_timeout,

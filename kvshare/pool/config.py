@@ -40,6 +40,7 @@ class PoolConfig:
     max_namespaces: int = 1024  # namespaces in use (by a connection or a chunk); unused ones are reclaimed
     check_integrity: bool = False  # debug: run check_integrity() after every request that changes state
     prepare_threads: int | None = None  # None: min(os.cpu_count(), 16)
+    fault_in: bool = True  # preparation faults every page in (tmpfs zeroes a page on first touch: paid here, once)
     l2: L2Config | None = None  # --l2 and the --l2-* flags; None: no L2 tier
     max_leased_pages_per_client: int | None = None  # None: half the arena; 0: no limit
     group: str = ""  # group that owns the socket and arena (both mode 0660); "" -> the user's primary group

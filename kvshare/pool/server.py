@@ -100,7 +100,8 @@ class PoolServer:
                  + f" (arena {self.arena.path}, {format_size(self.arena.size)}, {self.config.num_pages} pages of "
                  f"{format_size(self.config.page_size)})")
         started = time.monotonic()
-        self.arena.prepare(self.config.threads, lambda n: self._from_preparer(loop, n, started))
+        self.arena.prepare(self.config.threads, lambda n: self._from_preparer(loop, n, started),
+                           self.config.fault_in)
         expiry = asyncio.create_task(self._expire_leases())
         if self.config.l2 is not None:
             from kvshare.pool.l2.tier import L2Tier  # lazy: redis-py is needed only with --l2
