@@ -1,7 +1,7 @@
 """A request abandoned by its client gives back everything it held in the pool too, at once: replica B loads a prefix
 replica A stored (a read lease), computes and stores the chunks of its longer prompt (write leases) and decodes on,
-and its client stops reading. Once B has dropped the stream (--write-timeout) the pool holds no lease of B's, fenced or not,
-and B's engine no request and no KV block."""
+and its client stops reading. Once B has dropped the stream (--write-timeout) the pool holds no lease of B's, fenced
+or not, and B's engine no request and no KV block."""
 
 from __future__ import annotations
 
