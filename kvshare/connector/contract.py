@@ -4,7 +4,7 @@ both implement against these; nothing here imports an engine."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable, Protocol, Sequence
 
 
@@ -73,3 +73,30 @@ class ConnectorStats:
     l2_promote_chosen: int = 0  # LOOKUPs whose L2 promotion the cost model chose (faster than recompute)
     l2_promote_declined: int = 0  # LOOKUPs whose L2 promotion the cost model declined (recompute is faster)
     l2_promote_unmeasured: int = 0  # promoted without a decision: the rates were not measured yet
+
+    def values(self) -> dict[str, float]:
+        """Every counter by field name (a snapshot; each field only grows)."""
+        return {counter.name: getattr(self, counter.name) for counter in fields(self)}
+
+
+# What each ConnectorStats counter means: both engines export every field as a Prometheus counter
+# kvshare_pool_<field>_total with this help (kvshare.serve.metrics, kvshare.integrations.vllm.stats).
+STAT_HELP = {
+    "lookups": "LOOKUPs the connector sent to the pool",
+    "lookup_hit_tokens": "prompt tokens the pool reported as cached",
+    "loads": "chunk loads from the pool",
+    "load_bytes": "KV bytes loaded from the pool",
+    "load_seconds": "seconds spent loading KV from the pool",
+    "load_failures": "loads that failed and were recomputed",
+    "stores": "chunk stores into the pool",
+    "store_bytes": "KV bytes stored into the pool",
+    "store_seconds": "seconds spent storing KV into the pool",
+    "store_skipped_chunks": "chunks not stored because the pool already held them",
+    "store_limited_chunks": "chunks not stored because one prompt's KV exceeds the pool's per-client lease limit",
+    "corrupt_chunks": "loaded chunks whose bytes failed their checksum (recomputed)",
+    "discarded_chunks": "corrupt chunks removed from the pool so that the next store replaces them",
+    "errors": "pool errors of any kind, each turned into a cache miss",
+    "l2_promote_chosen": "L1 misses the cost model promoted from L2 (faster than recompute)",
+    "l2_promote_declined": "L1 misses the cost model recomputed instead of promoting from L2",
+    "l2_promote_unmeasured": "L1 misses promoted from L2 before the rates were measured",
+}

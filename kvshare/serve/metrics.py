@@ -6,14 +6,13 @@ one process — as in tests — never clash over metric names.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvshare.connector.contract import ConnectorStats
+from kvshare.connector.contract import STAT_HELP, ConnectorStats
 from kvshare.engine.api import EngineLoad, Usage
 
 # Cross-replica misses on a 32B model at 256k tokens take ~90 s to prefill; hits take well under a second.
@@ -26,25 +25,6 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.
 # request holds the engine's step.
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
                0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
-
-# One Prometheus counter per ConnectorStats field, exported as kvshare_pool_<field>_total.
-CONNECTOR_STAT_HELP = {
-    "lookups": "LOOKUPs the connector sent to the pool",
-    "lookup_hit_tokens": "prompt tokens the pool reported as cached",
-    "loads": "chunk loads from the pool",
-    "load_bytes": "KV bytes loaded from the pool",
-    "load_seconds": "seconds spent loading KV from the pool",
-    "load_failures": "loads that failed and were recomputed",
-    "stores": "chunk stores into the pool",
-    "store_bytes": "KV bytes stored into the pool",
-    "store_seconds": "seconds spent storing KV into the pool",
-    "store_skipped_chunks": "chunks not stored because the pool already held them",
-    "store_limited_chunks": "chunks not stored because one prompt's KV exceeds the pool's per-client lease limit",
-    "corrupt_chunks": "loaded chunks whose bytes failed their checksum (recomputed)",
-    "discarded_chunks": "corrupt chunks removed from the pool so that the next store replaces them",
-    "errors": "pool errors of any kind, each turned into a cache miss",
-}
-
 
 class ConnectorStatsCollector(Collector):
     """Reads the attached connector's `ConnectorStats` at scrape time; yields nothing while no connector is attached.
@@ -61,9 +41,8 @@ class ConnectorStatsCollector(Collector):
         stats = self._source()
         if stats is None:
             return
-        for field in dataclasses.fields(ConnectorStats):
-            help_text = CONNECTOR_STAT_HELP.get(field.name, field.name.replace("_", " "))
-            yield CounterMetricFamily(f"kvshare_pool_{field.name}", help_text, value=getattr(stats, field.name))
+        for name, value in stats.values().items():  # kvshare_pool_<field>_total, as the vLLM connector exports them
+            yield CounterMetricFamily(f"kvshare_pool_{name}", STAT_HELP.get(name, name.replace("_", " ")), value=value)
 
 
 class ServerMetrics:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvshare.bench.server_metrics import external_hits
 from kvshare.pool.client import read_stats
@@ -103,6 +104,12 @@ class Replica:
         with httpx.Client(trust_env=False) as http:
             return external_hits(http, self.url) or 0.0
 
+    def counter(self, name: str) -> float:
+        """The sum of a counter's samples on the replica's /metrics (0 when absent)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10, trust_env=False).text
+        return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                   if sample.name == name)
+
     def log_tail(self, lines: int = 40) -> str:
         return "".join(self.log_path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
 
@@ -173,6 +180,31 @@ def test_long_prompt_moves_between_replicas(deployment):
     assert deployment.pool_stats().hit_tokens - pool_hits_before == chunks * CHUNK
     assert deployment.b.external_hits() - hits_before == chunks * CHUNK
     assert deployment.pool_stats().read_leases == 0  # the scheduler ended the lease once B's worker loaded
+
+
+def test_the_connector_counts_in_vllms_metrics(deployment):
+    """Both halves report what they did to vLLM's /metrics under the names a kvshare replica uses: A's scheduler
+    LOOKUPs and its worker's stores, B's LOOKUP hit and its worker's load (counted once: the counters grow by what
+    happened, not by what was reported before)."""
+    prompt = random_tokens(random.Random(5), 1000)
+    chunks = (len(prompt) - 1) // CHUNK
+    names = ("lookups", "lookup_hit_tokens", "loads", "load_bytes", "stores")
+    before = {(r.name, n): r.counter(f"kvshare_pool_{n}_total") for r in (deployment.a, deployment.b) for n in names}
+    chunks_before = deployment.pool_stats().chunks
+    deployment.a.complete(prompt)
+    deployment.wait_chunks(chunks_before + chunks)
+    deployment.b.complete(prompt)
+
+    def grown(replica: Replica, name: str) -> float:
+        return replica.counter(f"kvshare_pool_{name}_total") - before[(replica.name, name)]
+
+    deadline = time.monotonic() + 30  # vLLM's frontend records stats after each step: allow it a moment
+    while grown(deployment.b, "loads") < 1 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert grown(deployment.a, "lookups") >= 1 and grown(deployment.a, "stores") >= chunks  # chunks stored
+    assert grown(deployment.b, "lookup_hit_tokens") >= chunks * CHUNK  # up to the last whole block: its tail too
+    assert grown(deployment.b, "loads") == 1  # one load (of every chunk of the hit), reported once
+    assert grown(deployment.b, "load_bytes") > 0 and grown(deployment.b, "stores") == 0
 
 
 def test_six_turn_session_alternating_replicas(deployment):

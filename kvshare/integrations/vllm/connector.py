@@ -20,6 +20,7 @@ from kvshare.connector import ConnectorCore
 from kvshare.integrations.vllm import config as cfg
 from kvshare.integrations.vllm.metadata import KVShareMetadata
 from kvshare.integrations.vllm.scheduler import SchedulerSide
+from kvshare.integrations.vllm.stats import Increments, KVSharePromMetrics, KVShareStats
 from kvshare.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ class KVShareConnector(KVConnectorBase_V1):
         layout = cfg.expected_layout(vllm_config, kv_cache_config)
         core = ConnectorCore(config, cfg.namespace(vllm_config, layout, config.chunk_tokens), layout.block_size)
         self.core = core
+        self._increments = Increments(core.stats)  # this half's counters, reported to vLLM's metrics
         self._scheduler = SchedulerSide(core, layout.block_size) if role == KVConnectorRole.SCHEDULER else None
         self._worker = WorkerSide(core, layout) if role == KVConnectorRole.WORKER else None
         if role == KVConnectorRole.SCHEDULER and self._kv_transfer_config.kv_load_failure_policy != "recompute":
@@ -101,6 +103,19 @@ class KVShareConnector(KVConnectorBase_V1):
 
     def shutdown(self):
         self.core.close()
+
+    # ---- metrics (kvshare.integrations.vllm.stats) ----------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVShareStats | None:
+        return self._increments.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVShareStats:
+        return KVShareStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVSharePromMetrics:
+        return KVSharePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def _metadata(self) -> KVShareMetadata:
         meta = self._get_connector_metadata()
