@@ -206,3 +206,54 @@ def test_lookup_without_promotion_answers_from_l1_and_the_rate_is_reported():
                 assert [c.key for c in again.chunks] == keys  # now in L1
                 pool.release(again.lease)
         plain.close()
+
+
+def _move_slot(cluster: RedisCluster, servers, name: bytes, to_port: int) -> None:
+    """Reshard as `redis-cli --cluster reshard` does, for the one slot of `name`: IMPORTING on the target, MIGRATING
+    on the source, MIGRATE the slot's keys, then every master learns the slot's new owner."""
+    slot = cluster.keyslot(name)
+    nodes = {s.port: redis.Redis(port=s.port) for s in servers}
+    try:
+        ids = {port: node.execute_command("CLUSTER", "MYID").decode() for port, node in nodes.items()}
+        source = cluster.get_node_from_key(name).port
+        nodes[to_port].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[source])
+        nodes[source].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[to_port])
+        for key in nodes[source].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000):
+            nodes[source].execute_command("MIGRATE", "127.0.0.1", to_port, "", 0, 5000, "KEYS", key)
+        for node in nodes.values():
+            node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[to_port])
+    finally:
+        for node in nodes.values():
+            node.close()
+
+
+def test_a_resharded_slot_is_followed_and_never_serves_wrong_bytes():
+    """A slot moves to another master after the pool learned the slot map: the promotion that meets MOVED stops at
+    that chunk (the prefix before it installed, nothing wrong served), the pool rediscovers the map, and the next
+    LOOKUP promotes the rest from the slot's new owner."""
+    with start_redis_cluster() as servers:
+        cluster = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", s.port) for s in servers])
+        keys, tokens, datas = _chunks(6, seed=41)
+        moved = 3
+        name = codec.redis_key(NS, keys[moved])
+        source = cluster.get_node_from_key(name).port
+        target = next(s.port for s in servers if s.port != source)
+        _put(cluster, keys, tokens, datas)
+        with start_pool("48MiB", page_size=1 << 20, l2=url_of(servers)) as (address, _):
+            with _connect(address) as pool:
+                _warm(pool, lambda *chunks: _put(cluster, *chunks), servers)
+                _move_slot(cluster, servers, name, target)
+                cluster.close()
+                first = _load(pool, keys, tokens)
+                assert first == datas[:moved], "the prefix before the moved chunk, exactly"
+                assert pool.stats().l2_errors >= 1  # the MOVED reply, counted
+                served = first
+                for _ in range(3):  # the slot map is rediscovered at the next promotion
+                    if len(served) == len(datas):
+                        break
+                    served = _load(pool, keys, tokens)
+                assert served == datas
+                stats = pool.stats()
+                assert stats.l2_rejected == 0
+                _wait(lambda: _idle(pool), "every internal lease ended")
+                assert pool.health(deep=True)
