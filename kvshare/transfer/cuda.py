@@ -55,10 +55,6 @@ class CudaTransfer(Transfer):
     def __init__(self, space: BlockSpace, pages: torch.Tensor, options: TransferOptions):
         super().__init__(space, pages, options)
         self.device = space.device
-        # Once per process and arena view (hostmem keeps the registry); in the background unless register_ahead is off.
-        self.registration = registration(pages, options.register_piece_bytes, options.register_threads,
-                                         ahead=options.register_ahead)
-        self.pieces = self.registration.pieces
         self.gather_stream = torch.cuda.Stream(self.device)
         self.copy_stream = torch.cuda.Stream(self.device)
         self.used_per_page = self.units_per_page * self.layout.block_bytes
@@ -68,6 +64,13 @@ class CudaTransfer(Transfer):
         self.hasher = DeviceHasher(self.device, self.page_size, self.used_per_page) if on_device else None
         self._slots = [self._new_slot() for _ in range(options.staging_slots)]
         self._next_slot = 0
+        # Once per process and arena view (hostmem keeps the registry); in the background unless register_ahead is off.
+        # Started last: streams and device allocations above are driver calls, and a cudaHostRegister under way on a
+        # background thread may hold the driver's lock for seconds a piece (H200 run 12: attach waited for every
+        # piece), so this constructor makes them before the first piece starts.
+        self.registration = registration(pages, options.register_piece_bytes, options.register_threads,
+                                         ahead=options.register_ahead)
+        self.pieces = self.registration.pieces
 
     def _new_slot(self) -> _Slot:
         buffer = torch.empty(self.slot_pages, self.used_per_page, dtype=torch.uint8, device=self.device)
