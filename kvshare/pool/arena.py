@@ -118,9 +118,9 @@ class Arena:
 def _fault_in(fd: int, offset: int, length: int) -> None:
     """Fault a prepared segment in once, here: tmpfs zeroes a fallocated page on its first touch, and whoever touches
     it first pays (docs/results/arena-fault-in: 0.366 s/GiB for a client's first MAP_POPULATE against 0.064 s/GiB
-    once faulted in, on the build machine; on the H200 host a GPU replica's first cudaHostRegister of a fresh arena cost 0.33-0.37 s/GiB
-    against 0.09-0.13 for later ones). Paid by the pool's preparation threads, it no longer lands on the first store
-    into each page or on the first replica's registration."""
+    once faulted in, on the build machine; on the H200 host a GPU replica's first cudaHostRegister of a fresh arena
+    cost 0.33-0.37 s/GiB against 0.09-0.13 for later ones). Paid by the pool's preparation threads, it no longer lands
+    on the first store into each page or on the first replica's registration."""
     mapping = mmap.mmap(fd, length, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), offset=offset)
     mapping.close()
 
