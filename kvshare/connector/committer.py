@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 from kvshare.connector.contract import ConnectorStats
 from kvshare.connector.failures import Failures
+from kvshare.connector.queue_worker import QueueWorker
 from kvshare.pool.client import ChunkRef
 from kvshare.transfer import TransferHandle
 
@@ -34,33 +33,24 @@ class Committer:
 
     def __init__(self, commit: Callable[[int, list[int]], bool], stats: ConnectorStats, failures: Failures):
         self._commit, self._stats, self._failures = commit, stats, failures
-        self._queue: queue.Queue[PendingStore | threading.Event] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="kvshare-committer", daemon=True)
-        self._thread.start()
+        self._worker: QueueWorker[PendingStore] = QueueWorker("kvshare-committer", self._finish)
 
     def submit(self, store: PendingStore) -> None:
-        self._queue.put(store)
+        self._worker.submit(store)
 
     def flush(self, timeout: float) -> None:
-        done = threading.Event()
-        self._queue.put(done)
-        done.wait(timeout)
+        self._worker.flush(timeout)
 
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if isinstance(item, threading.Event):
-                item.set()
-                continue
-            try:
-                item.handle.wait()  # the bytes are in the pages only after this (I2, I4)
-                checksums = item.handle.checksums()
-            except Exception as error:  # noqa: BLE001 - an unfinished store is dropped, never committed
-                self._failures.record("store copy", error, "dropping that store")
-                continue
-            finally:
-                item.on_copied()  # nothing reads or writes the arena for this store any more
-            if self._commit(item.lease, checksums):
-                self._stats.stores += len(item.refs)
-                self._stats.store_bytes += sum(ref.nbytes for ref in item.refs)
-                self._stats.store_seconds += time.perf_counter() - item.started
+    def _finish(self, item: PendingStore) -> None:
+        try:
+            item.handle.wait()  # the bytes are in the pages only after this (I2, I4)
+            checksums = item.handle.checksums()
+        except Exception as error:  # noqa: BLE001 - an unfinished store is dropped, never committed
+            self._failures.record("store copy", error, "dropping that store")
+            return
+        finally:
+            item.on_copied()  # nothing reads or writes the arena for this store any more
+        if self._commit(item.lease, checksums):
+            self._stats.stores += len(item.refs)
+            self._stats.store_bytes += sum(ref.nbytes for ref in item.refs)
+            self._stats.store_seconds += time.perf_counter() - item.started

@@ -14,13 +14,13 @@ Invariants:
 
 from __future__ import annotations
 
-import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from kvshare.connector.contract import StoreHandle
 from kvshare.connector.failures import Failures
+from kvshare.connector.queue_worker import QueueWorker
 from kvshare.transfer.checksum import run_on_every_cpu
 
 
@@ -39,33 +39,24 @@ class Storer:
 
     def __init__(self, run: Callable[[StoreTask], object], failures: Failures):
         self._run, self._failures = run, failures
-        self._queue: queue.Queue[StoreTask | threading.Event] = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="kvshare-storer", daemon=True)
-        self._thread.start()
+        # run_on_every_cpu: its copies run beside the model's next steps, not in turns with them
+        self._worker: QueueWorker[StoreTask] = QueueWorker("kvshare-storer", self._store, on_start=run_on_every_cpu)
 
     def submit(self, token_ids: Sequence[int], block_ids: Sequence[int], num_stored: int, salt: str,
                tail: bool) -> StoreHandle:
         """Queue a store; the handle names every block it may read (the engine holds them until it is done)."""
         task = StoreTask(list(token_ids), list(block_ids), num_stored, salt, tail)
-        self._queue.put(task)
+        self._worker.submit(task)
         return StoreHandle(is_done=task.finished.is_set, block_ids=tuple(task.block_ids))
 
     def flush(self, timeout: float) -> None:
         """Wait until every task submitted so far has run."""
-        done = threading.Event()
-        self._queue.put(done)
-        done.wait(timeout)
+        self._worker.flush(timeout)
 
-    def _loop(self) -> None:
-        run_on_every_cpu()  # its copies run beside the model's next steps, not in turns with them
-        while True:
-            item = self._queue.get()
-            if isinstance(item, threading.Event):
-                item.set()
-                continue
-            try:
-                self._run(item)
-            except Exception as error:  # noqa: BLE001 - a store that fails is a future miss
-                self._failures.record("store", error, "continuing without it")
-            finally:
-                item.finished.set()  # after the copies (CPU transfers return once they are done)
+    def _store(self, task: StoreTask) -> None:
+        try:
+            self._run(task)
+        except Exception as error:  # noqa: BLE001 - a store that fails is a future miss
+            self._failures.record("store", error, "continuing without it")
+        finally:
+            task.finished.set()  # after the copies (CPU transfers return once they are done)

@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 
+import pytest
 import torch
 
 from kvshare.connector.arena_life import ArenaLife
@@ -90,17 +91,21 @@ def mapped(path: str) -> int:
         return sum(1 for line in maps if path in line)
 
 
-def test_a_replica_whose_pool_died_maps_none_of_its_arena(engines, tmp_path):
+@pytest.mark.parametrize("verify", [True, False], ids=["verifying", "not verifying"])
+def test_a_replica_whose_pool_died_maps_none_of_its_arena(engines, tmp_path, verify):
+    """Also with checksum verification off: nothing of the dead pool's life is loaded after the restart, so every
+    answer equals cache OFF without a checksum to catch it."""
     off, a, b = engines
     socket_path = str(tmp_path / "pool.sock")
     first, second = str(tmp_path / "first.arena"), str(tmp_path / "second.arena")
     prompt = prompt_of(100, seed=21)
     with start_pool("64MiB", page_size="64KiB", socket=socket_path, arena=first) as (address, process):
-        attach(a, address, retry_interval=0.2)
-        attach(b, address, retry_interval=0.2)
-        run(a, prompt)
+        attach(a, address, retry_interval=0.2, verify_checksums=verify)
+        attach(b, address, retry_interval=0.2, verify_checksums=verify)
+        assert run(a, prompt)[0] == run(off, prompt)[0]
         a.connector.core.flush()
-        assert run(b, prompt)[1].pool_hit_tokens == 96
+        tokens, usage = run(b, prompt)
+        assert usage.pool_hit_tokens == 96 and tokens == run(off, prompt)[0]
         assert mapped(first) == 2  # one mapping per connector
         process.send_signal(signal.SIGKILL)
         process.wait()
@@ -111,6 +116,6 @@ def test_a_replica_whose_pool_died_maps_none_of_its_arena(engines, tmp_path):
         threading.Event().wait(0.3)  # past retry_interval
         tokens, usage = run(b, prompt, rid="after-restart")
         assert usage.pool_hit_tokens == 0 and tokens == run(off, prompt)[0]
-        run(a, prompt, rid="after-restart")
+        assert run(a, prompt, rid="after-restart")[0] == run(off, prompt)[0]
         assert mapped(second) == 2 and mapped(first) == 0
     assert not os.path.exists(first)

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import pytest
@@ -144,22 +145,30 @@ class Deployment:
         assert chunks >= at_least, f"pool holds {chunks} chunks\n{self.a.log_tail()}"
 
 
+@contextlib.contextmanager
+def ready_replicas(tmp: Path, model: Path, pools: dict[str, str | None]) -> Iterator[list[Replica]]:
+    """vLLM replicas of `model`, named and attached as `pools` says (None: no connector), started together and ready
+    under one deadline; stopped however the block ends."""
+    replicas: list[Replica] = []
+    try:
+        for name, pool in pools.items():
+            replicas.append(Replica(name, model, tmp, pool))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for replica in replicas:
+            replica.wait_ready(deadline)
+        yield replicas
+    finally:
+        for replica in replicas:
+            replica.stop()
+
+
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("vllm")
     arena = f"/dev/shm/kvshare-test-vllm-{os.getpid()}.arena"
     with start_pool("512MiB", arena=arena) as (address, pool_process):
-        replicas = []
-        try:
-            for name, pool in (("A", address), ("B", address), ("C", None)):
-                replicas.append(Replica(name, tiny_model, tmp, pool))
-            deadline = time.monotonic() + START_TIMEOUT_S
-            for replica in replicas:
-                replica.wait_ready(deadline)
+        with ready_replicas(tmp, tiny_model, {"A": address, "B": address, "C": None}) as replicas:
             yield Deployment(address, pool_process, arena, *replicas)
-        finally:
-            for replica in replicas:
-                replica.stop()
 
 
 def random_tokens(rng: random.Random, n: int) -> list[int]:

@@ -6,10 +6,9 @@ answer equals replica C's (no connector). Whole 256-token chunks alone gave (n -
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
-from test_vllm import START_TIMEOUT_S, VLLM_PYTHON, Deployment, Replica, random_tokens
+from test_vllm import VLLM_PYTHON, Deployment, random_tokens, ready_replicas
 
 from kvshare.pool.testing import start_pool
 
@@ -29,17 +28,8 @@ LENGTHS = (639, 640, 641, 767, 768, 769)
 def deployment(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("vllm-block-reuse")
     with start_pool("512MiB") as (address, pool_process):
-        replicas = []
-        try:
-            for name, pool in (("A", address), ("B", address), ("C", None)):
-                replicas.append(Replica(name, tiny_model, tmp, pool))
-            deadline = time.monotonic() + START_TIMEOUT_S
-            for replica in replicas:
-                replica.wait_ready(deadline)
+        with ready_replicas(tmp, tiny_model, {"A": address, "B": address, "C": None}) as replicas:
             yield Deployment(address, pool_process, "", *replicas)
-        finally:
-            for replica in replicas:
-                replica.stop()
 
 
 @pytest.mark.parametrize("length", LENGTHS)

@@ -14,7 +14,7 @@ import random
 import time
 
 import pytest
-from test_vllm import CHUNK, START_TIMEOUT_S, VLLM_PYTHON, Replica
+from test_vllm import CHUNK, VLLM_PYTHON, Replica, ready_replicas
 
 from kvshare.pool.client import PoolClient, read_stats
 from kvshare.pool.l2.testing import REDIS_MISSING, redis_available, start_redis, url_of
@@ -64,14 +64,7 @@ def settled(replica: Replica, before: dict[str, float], timeout_s: float = 30.0)
 
 def test_the_vllm_scheduler_decides_l2_promotion_and_counts_it(tmp_path, tiny_model):
     with start_redis() as redis_server, start_pool("512MiB", l2=url_of(redis_server)) as (address, _):
-        replicas = []
-        try:
-            for name in ("A", "B"):
-                replicas.append(Replica(name, tiny_model, tmp_path, address))
-            deadline = time.monotonic() + START_TIMEOUT_S
-            for replica in replicas:
-                replica.wait_ready(deadline)
-            a, b = replicas
+        with ready_replicas(tmp_path, tiny_model, {"A": address, "B": address}) as (a, b):
             full_chunks = (PROMPT - 1) // CHUNK
 
             # 1. Nothing measured yet: B promotes from L2 and answers what A computed.
@@ -99,8 +92,4 @@ def test_the_vllm_scheduler_decides_l2_promotion_and_counts_it(tmp_path, tiny_mo
             grown = settled(b, before)
             assert grown["unmeasured"] == 0 and grown["chosen"] + grown["declined"] == 1, grown
             promoted = read_stats(address).l2_promotions - promotions
-            print(f"measured decision: {grown}, chunks promoted: {promoted}")
             assert (promoted >= full_chunks) == (grown["chosen"] == 1), (grown, promoted)
-        finally:
-            for replica in replicas:
-                replica.stop()

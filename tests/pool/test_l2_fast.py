@@ -5,6 +5,7 @@ its own tests in test_l2.py), so each test knows exactly which node holds which 
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -82,42 +83,47 @@ def _idle(client: PoolClient) -> bool:
     return stats.read_leases == 0 and stats.write_leases == 0
 
 
-def test_promotion_is_striped_over_several_connections():
-    keys, tokens, datas = _chunks(8, seed=1)
+@contextlib.contextmanager
+def _pool_over_redis(keys, tokens, datas):
+    """A standalone Redis holding the chunks as the write-behind would have put them, and a connected client of a pool
+    with it as L2: yields (server, a plain Redis client, the pool client)."""
     with start_redis() as server:
         plain = redis.Redis(port=server.port)
-        _put(plain, keys, tokens, datas)
-        with start_pool("32MiB", page_size=1 << 20, l2=url_of(server)) as (address, _):
-            with _connect(address) as pool:
-                _warm(pool, lambda *chunks: _put(plain, *chunks), [server])
-                assert _load(pool, keys, tokens) == datas
-                stats = pool.stats()
-                assert (stats.l2_hits, stats.l2_promotions, stats.l2_rejected) == (10, 10, 0)
-                getters = [c["addr"] for c in plain.client_list() if c["cmd"] in ("get", "getrange")]
-        plain.close()
+        try:
+            _put(plain, keys, tokens, datas)
+            with start_pool("32MiB", page_size=1 << 20, l2=url_of(server)) as (address, _):
+                with _connect(address) as pool:
+                    yield server, plain, pool
+        finally:
+            plain.close()
+
+
+def test_promotion_is_striped_over_several_connections():
+    keys, tokens, datas = _chunks(8, seed=1)
+    with _pool_over_redis(keys, tokens, datas) as (server, plain, pool):
+        _warm(pool, lambda *chunks: _put(plain, *chunks), [server])
+        assert _load(pool, keys, tokens) == datas
+        stats = pool.stats()
+        assert (stats.l2_hits, stats.l2_promotions, stats.l2_rejected) == (10, 10, 0)
+        getters = [c["addr"] for c in plain.client_list() if c["cmd"] in ("get", "getrange")]
     assert len(getters) >= 2, f"one connection carried every GET: {getters}"
 
 
 def test_corrupted_value_in_the_middle_of_a_striped_batch_stops_the_promotion_there():
     keys, tokens, datas = _chunks(8, seed=2)
-    with start_redis() as server:
-        plain = redis.Redis(port=server.port)
-        _put(plain, keys, tokens, datas)
+    with _pool_over_redis(keys, tokens, datas) as (server, plain, pool):
         name = codec.redis_key(NS, keys[4])
         value = bytearray(plain.get(name))
         value[-100] ^= 0x01  # one flipped bit in chunk 4's KV bytes
         plain.set(name, bytes(value))
-        with start_pool("32MiB", page_size=1 << 20, l2=url_of(server)) as (address, _):
-            with _connect(address) as pool:
-                per_chunk = _warm(pool, lambda *chunks: _put(plain, *chunks), [server])  # chunks 0..7 go out at once
-                before = _hits(server)
-                assert _load(pool, keys, tokens) == datas[:4]
-                stats = pool.stats()
-                assert (stats.l2_rejected, stats.l2_hits, stats.l2_promotions) == (1, 2 + 4, 2 + 4)
-                assert _hits(server) - before == 8 * per_chunk  # chunks 5..7 were in flight too, not installed
-                assert stats.pages_used == (2 + 4) * 2
-                _wait(lambda: _idle(pool), "every internal lease ended")
-        plain.close()
+        per_chunk = _warm(pool, lambda *chunks: _put(plain, *chunks), [server])  # chunks 0..7 go out at once
+        before = _hits(server)
+        assert _load(pool, keys, tokens) == datas[:4]
+        stats = pool.stats()
+        assert (stats.l2_rejected, stats.l2_hits, stats.l2_promotions) == (1, 2 + 4, 2 + 4)
+        assert _hits(server) - before == 8 * per_chunk  # chunks 5..7 were in flight too, not installed
+        assert stats.pages_used == (2 + 4) * 2
+        _wait(lambda: _idle(pool), "every internal lease ended")
 
 
 def test_cluster_master_stalled_then_killed_mid_promotion():
@@ -172,40 +178,30 @@ def test_value_longer_than_the_namespace_size_seen_before_is_fetched_whole_next_
     """Values of a known length come in pieces; one longer than that is a miss once, then fetched whole."""
     keys, tokens, _ = _chunks(1, seed=5)
     data = random_bytes(3 * CHUNK, 5)  # three times the size the pool learns from the warm-up
-    with start_redis() as server:
-        plain = redis.Redis(port=server.port)
-        _put(plain, keys, tokens, [data])
-        with start_pool("32MiB", page_size=1 << 20, l2=url_of(server)) as (address, _):
-            with _connect(address) as pool:
-                _warm(pool, lambda *chunks: _put(plain, *chunks), [server])
-                assert _load(pool, keys, tokens) == []
-                assert _load(pool, keys, tokens) == [data]
-                stats = pool.stats()
-                assert (stats.l2_errors, stats.l2_rejected, stats.l2_promotions) == (0, 0, 3)
-                _wait(lambda: _idle(pool), "every internal lease ended")
-        plain.close()
+    with _pool_over_redis(keys, tokens, [data]) as (server, plain, pool):
+        _warm(pool, lambda *chunks: _put(plain, *chunks), [server])
+        assert _load(pool, keys, tokens) == []
+        assert _load(pool, keys, tokens) == [data]
+        stats = pool.stats()
+        assert (stats.l2_errors, stats.l2_rejected, stats.l2_promotions) == (0, 0, 3)
+        _wait(lambda: _idle(pool), "every internal lease ended")
 
 
 def test_lookup_without_promotion_answers_from_l1_and_the_rate_is_reported():
     keys, tokens, datas = _chunks(4, seed=6)
-    with start_redis() as server:
-        plain = redis.Redis(port=server.port)
-        _put(plain, keys, tokens, datas)
-        with start_pool("32MiB", page_size=1 << 20, l2=url_of(server)) as (address, _):
-            with _connect(address) as pool:
-                before = _hits(server)
-                found = pool.lookup(NS, keys, tokens, promote=False)
-                assert found.chunks == [] and _hits(server) == before  # L2 not even asked
-                stats = pool.stats()
-                assert (stats.l2_hits, stats.l2_promotions, stats.l2_promoted_bytes) == (0, 0, 0)
-                assert _load(pool, keys, tokens) == datas  # promote=True (the default): promoted
-                stats = pool.stats()
-                assert stats.l2_promotions == 4 and stats.l2_promoted_bytes == 4 * CHUNK
-                assert stats.l2_promote_seconds > 0
-                again = pool.lookup(NS, keys, tokens, promote=False)
-                assert [c.key for c in again.chunks] == keys  # now in L1
-                pool.release(again.lease)
-        plain.close()
+    with _pool_over_redis(keys, tokens, datas) as (server, _plain, pool):
+        before = _hits(server)
+        found = pool.lookup(NS, keys, tokens, promote=False)
+        assert found.chunks == [] and _hits(server) == before  # L2 not even asked
+        stats = pool.stats()
+        assert (stats.l2_hits, stats.l2_promotions, stats.l2_promoted_bytes) == (0, 0, 0)
+        assert _load(pool, keys, tokens) == datas  # promote=True (the default): promoted
+        stats = pool.stats()
+        assert stats.l2_promotions == 4 and stats.l2_promoted_bytes == 4 * CHUNK
+        assert stats.l2_promote_seconds > 0
+        again = pool.lookup(NS, keys, tokens, promote=False)
+        assert [c.key for c in again.chunks] == keys  # now in L1
+        pool.release(again.lease)
 
 
 def _move_slot(cluster: RedisCluster, servers, name: bytes, to_port: int) -> None:
