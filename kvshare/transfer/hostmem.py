@@ -11,17 +11,31 @@ pages lie in (`Registration.ensure`), taking a piece nobody has started yet on i
 threads registered no faster: the registering thread holds the GIL or a driver lock meanwhile (not told apart yet).
 A copy never spans two pieces (kvshare.transfer.cuda.page_runs): each is its own allocation to the driver.
 
+How cudaHostRegister is called (`register_via()`): through ctypes on the libcudart that torch loaded (the one this
+process has mapped, else the one in torch's wheel directories), because a ctypes call releases the GIL for its whole
+duration whatever torch version is installed, so a registration of seconds on a background thread cannot stop the
+engine's thread from running Python; torch's binding (`torch.cuda.cudart()`) where no such library is found. The
+environment variable KVSHARE_REGISTER_VIA=torch|ctypes (default ctypes, read at import) picks the path, so one
+experiment can time both in fresh processes (experiments/h200_run13.py).
+
 Invariants:
 - A piece is registered at most once per process; unregistered only by `close()` (before the mapping goes away).
 - `ensure(pages)` returns only when every piece holding one of `pages` is registered, or raises the error of the
   piece that failed (the connector then counts a miss): no copy ever reads or writes an unregistered arena page.
+- In one process cuda_register and cuda_unregister take one path (the runtime is looked up once), and the ctypes path
+  calls the runtime torch itself uses, never a second copy of it: a range pinned one way is unpinned the same way.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import logging
+import os
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable
 
 import numpy as np
@@ -32,6 +46,9 @@ DEFAULT_THREADS = 4
 _ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered: another part of this process did it: fine
 _lock = threading.Lock()  # guards _registrations: two transfers made from two threads must share one Registration
 _registrations: dict[tuple[int, int], Registration] = {}
+VIAS = ("ctypes", "torch")
+REGISTER_VIA = os.environ.get("KVSHARE_REGISTER_VIA", "ctypes")  # see the module docstring; register_via() checks it
+log = logging.getLogger("kvshare.transfer")
 
 
 @dataclass(frozen=True)
@@ -64,8 +81,74 @@ class Pieces:
         return np.unique(ids // self.pages_per_piece).tolist() if ids.size else []
 
 
+def cudart_in_maps(lines: Iterable[str]) -> str | None:
+    """The first libcudart.so* file among /proc/<pid>/maps `lines`, or None."""
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 6 and Path(fields[5]).name.startswith("libcudart.so"):
+            return fields[5]
+    return None
+
+
+def find_cudart() -> str | None:
+    """Path of the CUDA runtime torch uses: the libcudart this process has mapped (torch's wheels load it at import),
+    else libcudart.so.<torch's CUDA major> in torch's lib directory or the nvidia wheels beside it; None for a CPU
+    build of torch, or where the runtime is linked in statically (then only torch's binding can reach it)."""
+    with open("/proc/self/maps") as maps:
+        mapped = cudart_in_maps(maps)
+    if mapped or not torch.version.cuda:
+        return mapped
+    major = torch.version.cuda.split(".")[0]
+    site = Path(torch.__file__).parent.parent
+    for folder in (site / "torch/lib", site / "nvidia/cuda_runtime/lib", site / f"nvidia/cu{major}/lib"):
+        found = sorted(folder.glob(f"libcudart.so.{major}*"))
+        if found:
+            return str(found[0])
+    return None
+
+
+def bind_cudart(path: str) -> ctypes.CDLL:
+    """The runtime at `path` with cudaHostRegister/cudaHostUnregister typed. A library already loaded is not loaded
+    again (dlopen hands back torch's copy: one runtime, one primary context, whose registrations torch's copies see)."""
+    library = ctypes.CDLL(path)  # CDLL, not PyDLL: every call releases the GIL
+    library.cudaHostRegister.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint)
+    library.cudaHostRegister.restype = ctypes.c_int
+    library.cudaHostUnregister.argtypes = (ctypes.c_void_p,)
+    library.cudaHostUnregister.restype = ctypes.c_int
+    return library
+
+
+@functools.cache
+def _runtime() -> ctypes.CDLL | None:
+    """torch's libcudart bound for ctypes, found once per process; None where it cannot be found or loaded."""
+    path = find_cudart()
+    if path is None:
+        return None
+    try:
+        library = bind_cudart(path)
+    except (OSError, AttributeError) as error:
+        log.warning("cannot call %s through ctypes (%s): registering through torch's binding", path, error)
+        return None
+    log.info("registering arena memory through ctypes on %s", path)
+    return library
+
+
+def register_via() -> str:
+    """"ctypes" where REGISTER_VIA asks for it and torch's libcudart was found, else "torch": the path that
+    cuda_register and cuda_unregister take in this process."""
+    if REGISTER_VIA not in VIAS:
+        raise ValueError(f"KVSHARE_REGISTER_VIA={REGISTER_VIA!r}: use one of {', '.join(VIAS)}")
+    return "ctypes" if REGISTER_VIA == "ctypes" and _runtime() is not None else "torch"
+
+
 def cuda_register(ptr: int, nbytes: int) -> None:
-    result = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+    """Register [ptr, ptr + nbytes) for DMA; a range this process registered before is fine (error 712)."""
+    # ctypes releases the GIL while the call runs (seconds for a piece of a fresh arena); torch's binding does only
+    # in versions that wrap it in gil_scoped_release, so the engine's thread could otherwise stall behind it.
+    if register_via() == "ctypes":
+        result = int(_runtime().cudaHostRegister(ptr, nbytes, 0))
+    else:
+        result = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
     if result not in (0, _ALREADY_REGISTERED):
         raise RuntimeError(
             f"cudaHostRegister of {nbytes} bytes of the arena failed with CUDA error {result}: check that the "
@@ -75,7 +158,11 @@ def cuda_register(ptr: int, nbytes: int) -> None:
 
 
 def cuda_unregister(ptr: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+    """Undo cuda_register(ptr, ...) by the same path; its result is ignored, as before (nothing to do about it)."""
+    if register_via() == "ctypes":
+        _runtime().cudaHostUnregister(ptr)
+    else:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 class Registration:
