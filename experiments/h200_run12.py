@@ -202,12 +202,13 @@ class Clock:
         return self.end - time.monotonic()
 
 
-def spawn(mode: str, ns, clock: Clock, need: float, **extra) -> bool:
-    """Run a child part if at least `need` seconds are left; False if skipped, cut or failed (noted in the log)."""
+def spawn(mode: str, ns, clock: Clock, need: float, script: str = __file__, **extra) -> bool:
+    """Run a child part (`script mode ...`) if at least `need` seconds are left; False if skipped, cut or failed
+    (noted in the log)."""
     if clock.left() < need:
         print(f"== skip {mode} {extra}: {clock.left():.0f} s left, needs ~{need:.0f}", flush=True)
         return False
-    command = [sys.executable, __file__, mode, "--pool", ns.address, "--rows", str(extra.pop("rows", ns.rows)),
+    command = [sys.executable, script, mode, "--pool", ns.address, "--rows", str(extra.pop("rows", ns.rows)),
                "--model", extra.pop("model", ns.model), "--max-model-len", str(ns.max_model_len),
                "--device", ns.device]
     for key, value in extra.items():

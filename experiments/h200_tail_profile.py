@@ -1,0 +1,185 @@
+"""Issue 19, item 2 (nothing above the copy): where a cross-replica ON request's time above the load call goes, fp8 and
+bf16 KV side by side, on one H200 (qwen2.5-32b shape, dummy weights, verification on).
+
+    PYTHONPATH=/tmp/site:.:experiments python3 experiments/h200_tail_profile.py run --out $OUT/tail --budget 220
+
+Parts, each a child process with its own deadline: per arm (fp8 then bf16) replica A stores a 2k warm-up and three
+32k documents (experiments/h200_run12.py's `replica`), then one B process loads them: the warm-up (a pool hit, not
+counted), document 1 timed by phase, document 2 timed by phase under torch.profiler (CPU and CUDA), document 3 timed
+by phase. Phases, on the engine thread, each closed by a CUDA synchronize so a phase holds its own GPU work:
+schedule (the scheduler's step, LOOKUP included), load (the connector's load_prefix), prefill (the tail's forward),
+sample; "other" is TTFT minus their sum. The synchronizes add a little; the unprofiled TTFT of run 12's B rows is the
+reference for the total. Output: phases.jsonl, profile_<arm>.txt (the top ops by CUDA and by CPU time), summary.md.
+
+Dry run on a CPU: python experiments/h200_tail_profile.py run --device cpu --preset tiny --length 512 \
+    --max-model-len 2048 --warmup 256 --pool-size 256MiB --out /tmp/tail --budget 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+from h200_cross_replica import QUESTIONS, document
+from h200_run12 import KV_DTYPES, Clock, jobs_file, spawn
+
+PHASES = ("schedule", "load", "prefill", "sample")
+
+
+def _timed(phases: dict, name: str, fn, sync):
+    """fn wrapped so that each call adds its seconds (ended by `sync`, the device's work included) to phases[name]."""
+
+    def wrapper(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            sync()
+            phases[name] = phases.get(name, 0.0) + time.perf_counter() - started
+
+    return wrapper
+
+
+def profiled(args) -> None:
+    import torch
+
+    from kvshare.connector import ConnectorConfig
+    from kvshare.engine import engine as engine_module
+    from kvshare.engine.api import GenerationRequest, SamplingParams
+    from kvshare.engine.config import EngineConfig
+    from kvshare.engine.engine import Engine
+    from kvshare.engine.pool_connector import PoolConnector
+
+    jobs = json.loads(Path(args.jobs).read_text())
+    engine = Engine(EngineConfig(model=args.model, load_format="dummy", device=args.device, dtype="bfloat16",
+                                 kv_cache_dtype=KV_DTYPES[args.arm], max_model_len=args.max_model_len))
+    engine.set_connector(PoolConnector.for_engine(engine, ConnectorConfig(address=args.pool, timeout=60.0)))
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    phases: dict[str, float] = {}
+    engine.scheduler.schedule = _timed(phases, "schedule", engine.scheduler.schedule, sync)
+    engine.pool.load_prefix = _timed(phases, "load", engine.pool.load_prefix, sync)
+    engine.runner.prefill = _timed(phases, "prefill", engine.runner.prefill, sync)
+    engine_module.sample = _timed(phases, "sample", engine_module.sample, sync)  # engine.py calls it by this name
+    stats = engine.connector.stats
+    vocab = min(engine.model_config.vocab_size, 150000)
+    out = Path(args.rows)
+    for index, job in enumerate(jobs):
+        prompt = document(job["length"], job["seed"], vocab) + document(QUESTIONS, job["question"], vocab)
+        profile_this = index == 2  # the warm-up, one plain document, then the profiled one
+        activities = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if args.device == "cuda" else [])
+        context = torch.profiler.profile(activities=activities) if profile_this else nullcontext()
+        phases.clear()
+        load_before = stats.load_seconds
+        first, done = [], []
+        with context as profile:
+            t0 = time.perf_counter()
+
+            def on_event(event, first=first, done=done, t0=t0):
+                if event.token_id is not None and not first:
+                    first.append(time.perf_counter() - t0)
+                if event.finished:
+                    done.append(event)
+
+            engine.submit(GenerationRequest(job["id"], tuple(prompt), SamplingParams(max_tokens=1, ignore_eos=True)),
+                          on_event)
+            while not done:
+                time.sleep(0.0005)
+        ttft = first[0] if first else None
+        row = dict(job, arm=args.arm, profiled=profile_this, ttft_s=ttft, pool_hit=done[0].usage.pool_hit_tokens,
+                   load_call_s=stats.load_seconds - load_before, error=done[0].error,
+                   **{f"{name}_s": phases.get(name, 0.0) for name in PHASES})
+        row["other_s"] = (ttft or 0.0) - sum(phases.get(name, 0.0) for name in PHASES)
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"  B {args.arm} {job['length']} {'profiled' if profile_this else 'plain   '}: TTFT {ttft:.3f} s "
+              + " ".join(f"{name} {phases.get(name, 0.0):.3f}" for name in PHASES)
+              + f" other {row['other_s']:.3f}", flush=True)
+        if profile_this:
+            sort_cuda = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
+            averages = profile.key_averages()
+            text = (f"# {args.arm} {job['length']} tokens, TTFT {ttft:.3f} s\n\n## by self CUDA time\n"
+                    + averages.table(sort_by=sort_cuda, row_limit=30)
+                    + "\n## by self CPU time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=30))
+            out.with_name(f"profile_{args.arm}.txt").write_text(text)
+    engine.connector.close()
+    engine.shutdown()
+
+
+def orchestrate(ns) -> None:
+    from kvshare.engine.make_model import make_model
+    from kvshare.pool.testing import start_pool
+
+    clock = Clock(ns.budget)
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ns.rows = out / "store_rows.jsonl"
+    ns.model = str(make_model(ns.preset, Path(tempfile.mkdtemp()) / ns.preset))
+    with start_pool(ns.pool_size, page_size="2MiB", check_integrity=False, timeout=120) as (address, _):
+        ns.address = address
+        for arm in ("fp8", "bf16"):
+            spawn("replica", ns, clock, 40, script=__file__, role="A", arm=arm,
+                  jobs=jobs_file([ns.length], [3], question=10, warmup=ns.warmup))
+            spawn("profiled", ns, clock, 20, script=__file__, rows=out / "phases.jsonl", arm=arm,
+                  jobs=jobs_file([ns.length], [3], question=20, warmup=ns.warmup))
+    summarize(out)
+
+
+def summarize(out: Path) -> None:
+    path = out / "phases.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    lines = ["| KV | request | n | TTFT s | load call s | " + " | ".join(f"{p} s" for p in PHASES) + " | other s |",
+             "| --- " * (6 + len(PHASES)) + "|"]
+    for arm in ("fp8", "bf16"):
+        for profiled_rows in (False, True):
+            group = [r for r in rows if r["arm"] == arm and not r.get("warmup") and r["profiled"] == profiled_rows
+                     and r["ttft_s"] is not None]
+            if not group:
+                continue
+
+            def med(key, group=group):
+                return f"{statistics.median(r[key] for r in group):.3f}"
+
+            lines.append(f"| {arm} | {'profiled' if profiled_rows else 'plain'} | {len(group)} | {med('ttft_s')} | "
+                         f"{med('load_call_s')} | " + " | ".join(med(f"{p}_s") for p in PHASES)
+                         + f" | {med('other_s')} |")
+    text = "\n".join(lines)
+    (out / "summary.md").write_text(text + "\n")
+    print(text, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="mode", required=True)
+    run = sub.add_parser("run")
+    run.add_argument("--length", type=int, default=32768)
+    run.add_argument("--pool-size", default="48GiB")
+    run.add_argument("--max-model-len", type=int, default=40960)
+    run.add_argument("--preset", default="qwen2.5-32b")
+    run.add_argument("--warmup", type=int, default=2048)
+    run.add_argument("--device", default="cuda")
+    run.add_argument("--budget", type=float, default=220.0)
+    run.add_argument("--out", default=os.environ.get("OUT", "out/tail"))
+    for name in ("replica", "profiled"):
+        child = sub.add_parser(name)
+        for flag in ("--pool", "--rows", "--model", "--device", "--role", "--arm", "--jobs"):
+            child.add_argument(flag, required=flag != "--role")
+        child.add_argument("--max-model-len", type=int, required=True)
+    ns = parser.parse_args()
+    if ns.mode == "replica":
+        from h200_run12 import replica
+
+        replica(ns)
+    else:
+        {"run": orchestrate, "profiled": profiled}[ns.mode](ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
