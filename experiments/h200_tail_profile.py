@@ -120,7 +120,7 @@ def orchestrate(ns) -> None:
     clock = Clock(ns.budget)
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
-    ns.rows = out / "store_rows.jsonl"
+    ns.rows = Path(tempfile.mkdtemp()) / "store_rows.jsonl"  # A's rows: the log shows them; $OUT keeps 8 files
     ns.model = str(make_model(ns.preset, Path(tempfile.mkdtemp()) / ns.preset))
     with start_pool(ns.pool_size, page_size="2MiB", check_integrity=False, timeout=120) as (address, _):
         ns.address = address
