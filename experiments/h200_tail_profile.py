@@ -6,7 +6,9 @@ bf16 KV side by side, on one H200 (qwen2.5-32b shape, dummy weights, verificatio
 Parts, each a child process with its own deadline: per arm (fp8 then bf16) replica A stores a 2k warm-up and three
 32k documents (experiments/h200_run12.py's `replica`), then one B process loads them: the warm-up (a pool hit, not
 counted), document 1 timed by phase, document 2 timed by phase under torch.profiler (CPU and CUDA), document 3 timed
-by phase. Phases, on the engine thread, each closed by a CUDA synchronize so a phase holds its own GPU work:
+by phase (--settle: B first sleeps that long after its warm-up, so the arena's background registration is over;
+--trace: the profiled request's chrome trace too). Phases, on the engine thread, each closed by a CUDA synchronize
+so a phase holds its own GPU work:
 schedule (the scheduler's step, LOOKUP included), load (the connector's load_prefix), prefill (the tail's forward),
 sample; "other" is TTFT minus their sum. The synchronizes add a little; the unprofiled TTFT of run 12's B rows is the
 reference for the total. Output: phases.jsonl, profile_<arm>.txt (the top ops by CUDA and by CPU time), summary.md.
@@ -18,13 +20,15 @@ Dry run on a CPU: python experiments/h200_tail_profile.py run --device cpu --pre
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 from h200_cross_replica import QUESTIONS, document
@@ -36,15 +40,57 @@ PHASES = ("schedule", "load", "prefill", "sample")
 def _timed(phases: dict, name: str, fn, sync):
     """fn wrapped so that each call adds its seconds (ended by `sync`, the device's work included) to phases[name]."""
 
+    from torch.profiler import record_function
+
     def wrapper(*args, **kwargs):
         started = time.perf_counter()
         try:
-            return fn(*args, **kwargs)
+            with record_function(f"phase:{name}"):  # a named range in the trace
+                return fn(*args, **kwargs)
         finally:
             sync()
             phases[name] = phases.get(name, 0.0) + time.perf_counter() - started
 
     return wrapper
+
+
+class EngineThreadProfile:
+    """torch.profiler run on the engine's own thread (the profiler records the ops of the thread that starts it):
+    engine.step is wrapped so that the loop enters the profiler before its next step once `start()` is asked, and
+    leaves it after a step once `stop()` is asked (the idle loop steps every IDLE_WAIT_S)."""
+
+    def __init__(self, engine, activities):
+        self.activities, self.profile, self._step = activities, None, engine.step
+        self._want: str | None = None
+        self._stopped = threading.Event()
+        engine.step = self._wrapped
+
+    def _wrapped(self):
+        if self._want == "start" and self.profile is None:
+            self.profile = torch_profiler().profile(activities=self.activities)
+            self.profile.__enter__()
+            self._want = None
+        try:
+            return self._step()
+        finally:
+            if self._want == "stop" and self.profile is not None:
+                self.profile.__exit__(None, None, None)
+                self._want = None
+                self._stopped.set()
+
+    def start(self) -> None:
+        self._want = "start"
+
+    def stop(self):
+        self._want = "stop"
+        self._stopped.wait(30)
+        return self.profile
+
+
+def torch_profiler():
+    import torch
+
+    return torch.profiler
 
 
 def profiled(args) -> None:
@@ -67,31 +113,35 @@ def profiled(args) -> None:
     engine.pool.load_prefix = _timed(phases, "load", engine.pool.load_prefix, sync)
     engine.runner.prefill = _timed(phases, "prefill", engine.runner.prefill, sync)
     engine_module.sample = _timed(phases, "sample", engine_module.sample, sync)  # engine.py calls it by this name
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if args.device == "cuda" else [])
     stats = engine.connector.stats
     vocab = min(engine.model_config.vocab_size, 150000)
     out = Path(args.rows)
     for index, job in enumerate(jobs):
+        if index == 1 and args.settle:  # after the warm-up: let the arena's background registration finish first
+            time.sleep(args.settle)
         prompt = document(job["length"], job["seed"], vocab) + document(QUESTIONS, job["question"], vocab)
         profile_this = index == 2  # the warm-up, one plain document, then the profiled one
-        activities = [torch.profiler.ProfilerActivity.CPU] + (
-            [torch.profiler.ProfilerActivity.CUDA] if args.device == "cuda" else [])
-        context = torch.profiler.profile(activities=activities) if profile_this else nullcontext()
         phases.clear()
         load_before = stats.load_seconds
         first, done = [], []
-        with context as profile:
-            t0 = time.perf_counter()
+        if profile_this:
+            profiler = EngineThreadProfile(engine, activities)
+            profiler.start()
+        t0 = time.perf_counter()
 
-            def on_event(event, first=first, done=done, t0=t0):
-                if event.token_id is not None and not first:
-                    first.append(time.perf_counter() - t0)
-                if event.finished:
-                    done.append(event)
+        def on_event(event, first=first, done=done, t0=t0):
+            if event.token_id is not None and not first:
+                first.append(time.perf_counter() - t0)
+            if event.finished:
+                done.append(event)
 
-            engine.submit(GenerationRequest(job["id"], tuple(prompt), SamplingParams(max_tokens=1, ignore_eos=True)),
-                          on_event)
-            while not done:
-                time.sleep(0.0005)
+        engine.submit(GenerationRequest(job["id"], tuple(prompt), SamplingParams(max_tokens=1, ignore_eos=True)),
+                      on_event)
+        while not done:
+            time.sleep(0.0005)
+        profile = profiler.stop() if profile_this else None
         ttft = first[0] if first else None
         row = dict(job, arm=args.arm, profiled=profile_this, ttft_s=ttft, pool_hit=done[0].usage.pool_hit_tokens,
                    load_call_s=stats.load_seconds - load_before, error=done[0].error,
@@ -109,6 +159,12 @@ def profiled(args) -> None:
                     + averages.table(sort_by=sort_cuda, row_limit=30)
                     + "\n## by self CPU time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=30))
             out.with_name(f"profile_{args.arm}.txt").write_text(text)
+            if args.trace:
+                trace = out.with_name(f"trace_{args.arm}.json")
+                profile.export_chrome_trace(str(trace))
+                with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+                    shutil.copyfileobj(raw, packed)
+                trace.unlink()
     engine.connector.close()
     engine.shutdown()
 
@@ -127,7 +183,8 @@ def orchestrate(ns) -> None:
         for arm in ("fp8", "bf16"):
             spawn("replica", ns, clock, 40, script=__file__, role="A", arm=arm,
                   jobs=jobs_file([ns.length], [3], question=10, warmup=ns.warmup))
-            spawn("profiled", ns, clock, 20, script=__file__, rows=out / "phases.jsonl", arm=arm,
+            spawn("profiled", ns, clock, 20, script=__file__, rows=out / "phases.jsonl", arm=arm, settle=ns.settle,
+                  trace=int(ns.trace),
                   jobs=jobs_file([ns.length], [3], question=20, warmup=ns.warmup))
     summarize(out)
 
@@ -167,11 +224,15 @@ def main() -> None:
     run.add_argument("--device", default="cuda")
     run.add_argument("--budget", type=float, default=220.0)
     run.add_argument("--out", default=os.environ.get("OUT", "out/tail"))
+    run.add_argument("--settle", type=float, default=0.0, help="B sleeps this long after its warm-up (registration)")
+    run.add_argument("--trace", action="store_true", help="also write the profiled request's chrome trace (gzip)")
     for name in ("replica", "profiled"):
         child = sub.add_parser(name)
         for flag in ("--pool", "--rows", "--model", "--device", "--role", "--arm", "--jobs"):
             child.add_argument(flag, required=flag != "--role")
         child.add_argument("--max-model-len", type=int, required=True)
+        child.add_argument("--settle", type=float, default=0.0)
+        child.add_argument("--trace", type=int, default=0)
     ns = parser.parse_args()
     if ns.mode == "replica":
         from h200_run12 import replica

@@ -115,6 +115,8 @@ def bind_cudart(path: str) -> ctypes.CDLL:
     library.cudaHostRegister.restype = ctypes.c_int
     library.cudaHostUnregister.argtypes = (ctypes.c_void_p,)
     library.cudaHostUnregister.restype = ctypes.c_int
+    library.cudaGetLastError.argtypes = ()
+    library.cudaGetLastError.restype = ctypes.c_int
     return library
 
 
@@ -149,12 +151,26 @@ def cuda_register(ptr: int, nbytes: int) -> None:
         result = int(_runtime().cudaHostRegister(ptr, nbytes, 0))
     else:
         result = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
-    if result not in (0, _ALREADY_REGISTERED):
+    if result == _ALREADY_REGISTERED:
+        _clear_last_error()
+    elif result:
         raise RuntimeError(
             f"cudaHostRegister of {nbytes} bytes of the arena failed with CUDA error {result}: check that the "
             "arena is mapped read-write and that the memlock limit (ulimit -l) allows pinning it; a smaller "
             "--register-piece helps where one large registration fails"
         )
+
+
+def _clear_last_error() -> None:
+    """Reset this thread's CUDA "last error" after a failure we accept (712): the runtime keeps it, and torch reads it
+    after its next kernel launch on this thread, so an engine thread that registered a piece itself (ensure) would
+    see its next kernel fail with "already mapped" (H200 run 13 hit this in a test)."""
+    if register_via() == "ctypes":
+        _runtime().cudaGetLastError()
+        return
+    clear = getattr(torch.cuda.cudart(), "cudaGetLastError", None)  # not in every torch's binding
+    if clear is not None:
+        clear()
 
 
 def cuda_unregister(ptr: int) -> None:

@@ -21,13 +21,16 @@ from kvshare.transfer import hostmem
 STAND_IN = r"""
 #include <stddef.h>
 #include <unistd.h>
-static int calls;
+static int calls, last_error;
 int cudaHostRegister(void *ptr, size_t nbytes, unsigned flags) {
     calls++;
     usleep(300000);                                   /* a registration that takes a while */
+    last_error = nbytes == 3 ? 2 : nbytes == 5 ? 712 : last_error;  /* kept, as the runtime keeps it */
     return nbytes == 3 ? 2 : nbytes == 5 ? 712 : 0;   /* 3 bytes: out of memory; 5: already registered */
 }
 int cudaHostUnregister(void *ptr) { calls++; return 0; }
+int cudaGetLastError(void) { int e = last_error; last_error = 0; return e; }
+int stand_in_last_error(void) { return last_error; }
 int stand_in_calls(void) { return calls; }
 """
 
@@ -59,6 +62,10 @@ class TorchBinding:
 
     def cudaHostUnregister(self, ptr):  # noqa: N802 - torch's name
         self.calls.append(("unregister", ptr))
+        return 0
+
+    def cudaGetLastError(self):  # noqa: N802 - torch's name
+        self.calls.append(("get last error",))
         return 0
 
 
@@ -111,6 +118,7 @@ def test_without_the_runtime_ctypes_falls_back_to_torch_s_binding(binding, monke
 
 def test_errors_raise_and_already_registered_is_fine(stand_in):
     hostmem.cuda_register(1 << 40, 5)  # 712: another part of this process registered it
+    assert stand_in.stand_in_last_error() == 0  # cleared: torch's next kernel launch on this thread would raise it
     with pytest.raises(RuntimeError, match="cudaHostRegister of 3 bytes of the arena failed with CUDA error 2"):
         hostmem.cuda_register(1 << 40, 3)
 
@@ -144,13 +152,16 @@ def test_a_registration_through_ctypes_lets_other_threads_run_python(stand_in):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_ctypes_path_registers_in_torch_s_runtime(monkeypatch):
-    """The default path on a GPU is ctypes, and what it registers torch's binding reports as already registered."""
+    """The default path on a GPU is ctypes, and what it registers torch's binding reports as already registered; a
+    second cuda_register of the same range (712, accepted) leaves no error behind for this thread's next kernel."""
     monkeypatch.setattr(hostmem, "REGISTER_VIA", "ctypes")
     assert hostmem.find_cudart() is not None and hostmem.register_via() == "ctypes"
     host = torch.empty(4 << 20, dtype=torch.uint8)
     hostmem.cuda_register(host.data_ptr(), host.numel())
     try:
         assert int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)) == 712
+        hostmem._clear_last_error()  # that probe's 712 is the test's own
+        hostmem.cuda_register(host.data_ptr(), host.numel())  # 712 inside: accepted and cleared
         device = torch.arange(host.numel(), device="cuda", dtype=torch.int32).to(torch.uint8)
         host.copy_(device, non_blocking=True)
         torch.cuda.synchronize()
