@@ -1,7 +1,7 @@
 """What verification costs a CPU load (issue 24: why kvshare is level with, not ahead of, LMCache at 3k-6k tokens):
 the `small` model's KV of one prompt (fp32, vLLM's CPU layout, 128-token blocks, 256-token chunks, 2 MiB pages) loaded
-from an arena into KV tensors by kvshare's CPU transfer, with verification off and on (arms alternating), and the
-hash alone at 1-3 host threads.
+from an arena into KV tensors by kvshare's CPU transfer, with verification off, on with the numpy hash and on with
+the compiled fused kernel (kvshare.transfer.fused_hash; arms rotating), and each hash alone.
 
     .venv/bin/python experiments/cpu_load_verify.py --tokens 6144 --repeats 7 \
         --out docs/results/connectors-cpu/load-verify
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kvshare.transfer import KVLayout, LoadJob, StoreJob, make_transfer
+from kvshare.transfer import KVLayout, LoadJob, StoreJob, fused_hash, make_transfer
 from kvshare.transfer import checksum as transfer_checksum
 from kvshare.transfer.jobs import plan
 from kvshare.transfer.shm import shm_pages
@@ -52,17 +52,29 @@ def main() -> None:
         # loaded into other blocks than stored from, as a second replica would
         loads = [LoadJob(pages=spans[i], block_ids=[(i * per_chunk + k + 17) % BLOCKS for k in range(per_chunk)])
                  for i in range(chunks)]
-        arms = {False: [], True: []}
+        os.environ["KVSHARE_HOST_HASH"] = "compiled"
+        fused_hash.prepare()  # compiled before the first timed load
+        arms = {"off": [], "numpy": [], "compiled": []}
+        order = list(arms)
         for r in range(args.repeats):
-            for verify in ((False, True) if r % 2 == 0 else (True, False)):
+            for arm in order[r % 3:] + order[: r % 3]:  # rotating: each arm first, second and third alike
+                os.environ["KVSHARE_HOST_HASH"] = "compiled" if arm == "compiled" else "numpy"
                 started = time.perf_counter()
-                handle = transfer.load(loads, checksums=verify)
-                if verify:
+                handle = transfer.load(loads, checksums=arm != "off")
+                if arm != "off":
                     handle.checksums()
                 handle.wait()
-                arms[verify].append(time.perf_counter() - started)
-        results["load_verify_off"], results["load_verify_on"] = spread(arms[False]), spread(arms[True])
+                arms[arm].append(time.perf_counter() - started)
+        results["load_verify_off"] = spread(arms["off"])
+        results["load_verify_on_numpy"] = spread(arms["numpy"])
+        results["load_verify_on_compiled"] = spread(arms["compiled"])
         extents = transfer._extents(plan(transfer.space, loads, PAGE, transfer.num_pages, loading=True))
+        alone = []
+        for _ in range(args.repeats):
+            started = time.perf_counter()
+            fused_hash.start(pages, extents).result()
+            alone.append(time.perf_counter() - started)
+        results["hash_alone_compiled"] = spread(alone)
         for threads in (1, 2, 3):
             transfer_checksum._hashers.cache_clear()
             transfer_checksum.HASH_THREADS = threads
@@ -72,7 +84,7 @@ def main() -> None:
                 for future in transfer.start_checksums(extents):
                     future.result()
                 alone.append(time.perf_counter() - started)
-            results[f"hash_alone_{threads}_threads"] = spread(alone)
+            results[f"hash_alone_numpy_{threads}_threads"] = spread(alone)
     mib = results["bytes"] / 2**20
     lines = [f"CPU load of {args.tokens} tokens of the small model's KV ({mib:.0f} MiB, fp32), {os.cpu_count()} cores, "
              f"{args.repeats} repeats; ms", "", "| what | median | min | max |", "| --- | --- | --- | --- |"]

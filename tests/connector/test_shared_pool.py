@@ -118,15 +118,24 @@ def test_a_pool_that_dies_or_restarts_changes_no_output(engines):
         assert usage.pool_hit_tokens == 96 and tokens == run(off, after)[0]
 
 
-@pytest.mark.parametrize("verify", [True, False])
-def test_corrupted_pool_bytes_are_recomputed_only_when_checksums_are_verified(engines, verify):
+@pytest.mark.parametrize("verify, host_hash, page", [(True, "numpy", "64KiB"), (False, "numpy", "64KiB"),
+                                                      (True, "compiled", "256KiB")])
+def test_corrupted_pool_bytes_are_recomputed_only_when_checksums_are_verified(engines, verify, host_hash, page,
+                                                                              monkeypatch):
     """Flip bytes in every page after A stored: a verifying B recomputes (the cache-OFF tokens, no pool hit); with
-    verify_checksums=False (`kvshare serve --no-verify-checksums`) B trusts and loads them."""
+    verify_checksums=False (`kvshare serve --no-verify-checksums`) B trusts and loads them. The compiled host
+    checksum (KVSHARE_HOST_HASH, pages of whole coefficient blocks) catches them as numpy does."""
     from kvshare.pool.client import PoolClient, read_stats
+    from kvshare.transfer import fused_hash
 
+    monkeypatch.setenv("KVSHARE_HOST_HASH", host_hash)
+    hashed = []
+    real = fused_hash.chunk_checksum
+    monkeypatch.setattr(fused_hash, "chunk_checksum", lambda *args: hashed.append(args[2]) or real(*args))
+    fused_hash.prepare()  # "compiled": compiled (once a process) before the engines' transfers hash anything
     off, a, b = engines
     prompt = prompt_of(100, seed=5)
-    with start_pool("64MiB", page_size="64KiB") as (address, _):
+    with start_pool("64MiB", page_size=page) as (address, _):
         attach(a, address)
         attach(b, address, verify_checksums=verify)
         reference, _ = run(off, prompt)
@@ -148,3 +157,4 @@ def test_corrupted_pool_bytes_are_recomputed_only_when_checksums_are_verified(en
     else:
         assert usage_b.pool_hit_tokens == 96
         assert pool.discarded_chunks == 0
+    assert len(hashed) == (9 if host_hash == "compiled" else 0)  # A stores 3, B loads 3, B stores 3 recomputed

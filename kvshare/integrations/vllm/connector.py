@@ -33,6 +33,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.kvshare")  # under vLLM's logger, so its handlers show our lines
 
 
+def show_library_logs() -> None:
+    """Send the kvshare library's own loggers ("kvshare.*": the transfer, the pool client) through vLLM's handlers at
+    INFO, as the integration's "vllm.kvshare" lines are: without a handler, Python shows only their warnings, and a
+    replica's log would not say, e.g., that its host checksum kernel is compiled. Once per process."""
+    library = logging.getLogger("kvshare")
+    if library.handlers:
+        return
+    for handler in logging.getLogger("vllm").handlers:
+        library.addHandler(handler)
+    library.setLevel(logging.INFO)
+    library.propagate = False  # the root logger's handlers (if any) would print each line twice
+
+
+show_library_logs()
+
+
 class KVShareConnector(KVConnectorBase_V1):
     """Shares full KV chunks between vLLM replicas through a kvshare pool; any pool failure costs only recompute."""
 
