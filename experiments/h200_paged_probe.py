@@ -48,37 +48,41 @@ def timed(fn, repeats=5) -> float:
     return (time.perf_counter() - started) / repeats
 
 
+def probe_case(block_size: int, context: int, tail: int) -> dict:
+    total = context + tail
+    blocks = -(-total // block_size)
+    cache = torch.randn(blocks + 7, 2, block_size, KV_HEADS, D, device="cuda", dtype=torch.bfloat16)
+    table = torch.randperm(blocks + 7, device="cuda")[:blocks]  # blocks anywhere, in any order
+    q = torch.randn(tail, HEADS, D, device="cuda", dtype=torch.bfloat16)
+    reference = q.clone()
+    prefill_attention(reference, cache, table, context, D ** -0.5)
+    row = {"block_size": block_size, "context": context, "tail": tail,
+           "gather_sdpa_ms_64_layers": 64e3 * timed(lambda: prefill_attention(q.clone(), cache, table, context,
+                                                                                D ** -0.5))}
+    for name in ("strided", "contiguous"):  # the packed cache's views, or copies (timed without the copy)
+        k, v = cache[:, 0], cache[:, 1]
+        if name == "contiguous":
+            k, v = k.contiguous(), v.contiguous()
+        try:
+            out = paged(q, k, v, table, context)
+            row[f"{name}_max_abs_diff"] = float((out.float() - reference.float()).abs().max())
+            row[f"{name}_ms_64_layers"] = 64e3 * timed(lambda k=k, v=v: paged(q, k, v, table, context))
+        except Exception as error:  # noqa: BLE001 - the probe records what the op refuses
+            row[f"{name}_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.manual_seed(0)
-    results: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name()}
+    results: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "rows": []}
     for block_size in (16, 64, 256):
         for context, tail in ((32768, 1), (32768, 192), (131072, 192)):
-            total = context + tail
-            blocks = -(-total // block_size)
-            cache = torch.randn(blocks + 7, 2, block_size, KV_HEADS, D, device="cuda", dtype=torch.bfloat16)
-            table = torch.randperm(blocks + 7, device="cuda")[:blocks]  # blocks anywhere, in any order
-            q = torch.randn(tail, HEADS, D, device="cuda", dtype=torch.bfloat16)
-            reference = q.clone()
-            prefill_attention(reference, cache, table, context, D ** -0.5)
-            row = {"block_size": block_size, "context": context, "tail": tail,
-                   "gather_sdpa_ms_64_layers": 64e3 * timed(lambda: prefill_attention(q.clone(), cache, table,
-                                                                                        context, D ** -0.5))}
-            for name in ("strided", "contiguous"):  # the packed cache's views, or copies (timed without the copy)
-                k, v = cache[:, 0], cache[:, 1]
-                if name == "contiguous":
-                    k, v = k.contiguous(), v.contiguous()
-                try:
-                    out = paged(q, k, v, table, context)
-                    row[f"{name}_max_abs_diff"] = float((out.float() - reference.float()).abs().max())
-                    row[f"{name}_ms_64_layers"] = 64e3 * timed(lambda k=k, v=v: paged(q, k, v, table, context))
-                except Exception as error:  # noqa: BLE001 - the probe records what the op refuses
-                    row[f"{name}_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            row = probe_case(block_size, context, tail)
             print(json.dumps(row), flush=True)
-            results.setdefault("rows", []).append(row)
-            del cache, q, reference
+            results["rows"].append(row)
             torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
