@@ -109,10 +109,11 @@ def profiled(args) -> None:
     engine.set_connector(PoolConnector.for_engine(engine, ConnectorConfig(address=args.pool, timeout=60.0)))
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     phases: dict[str, float] = {}
-    engine.scheduler.schedule = _timed(phases, "schedule", engine.scheduler.schedule, sync)
-    engine.pool.load_prefix = _timed(phases, "load", engine.pool.load_prefix, sync)
-    engine.runner.prefill = _timed(phases, "prefill", engine.runner.prefill, sync)
-    engine_module.sample = _timed(phases, "sample", engine_module.sample, sync)  # engine.py calls it by this name
+    if not args.plain:  # --plain: no phase timers (their synchronizes), no profile: TTFT as a client sees it
+        engine.scheduler.schedule = _timed(phases, "schedule", engine.scheduler.schedule, sync)
+        engine.pool.load_prefix = _timed(phases, "load", engine.pool.load_prefix, sync)
+        engine.runner.prefill = _timed(phases, "prefill", engine.runner.prefill, sync)
+        engine_module.sample = _timed(phases, "sample", engine_module.sample, sync)  # engine.py calls it so
     activities = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if args.device == "cuda" else [])
     stats = engine.connector.stats
@@ -122,7 +123,7 @@ def profiled(args) -> None:
         if index == 1 and args.settle:  # after the warm-up: let the arena's background registration finish first
             time.sleep(args.settle)
         prompt = document(job["length"], job["seed"], vocab) + document(QUESTIONS, job["question"], vocab)
-        profile_this = index == 2  # the warm-up, one plain document, then the profiled one
+        profile_this = index == 2 and not args.plain  # the warm-up, one plain document, then the profiled one
         phases.clear()
         load_before = stats.load_seconds
         first, done = [], []
@@ -180,11 +181,11 @@ def orchestrate(ns) -> None:
     ns.model = str(make_model(ns.preset, Path(tempfile.mkdtemp()) / ns.preset))
     with start_pool(ns.pool_size, page_size="2MiB", check_integrity=False, timeout=120) as (address, _):
         ns.address = address
-        for arm in ("fp8", "bf16"):
+        for arm in ns.arms.split(","):
             spawn("replica", ns, clock, 40, script=__file__, role="A", arm=arm,
                   jobs=jobs_file([ns.length], [3], question=10, warmup=ns.warmup))
             spawn("profiled", ns, clock, 20, script=__file__, rows=out / "phases.jsonl", arm=arm, settle=ns.settle,
-                  trace=int(ns.trace),
+                  trace=int(ns.trace), plain=int(ns.plain),
                   jobs=jobs_file([ns.length], [3], question=20, warmup=ns.warmup))
     summarize(out)
 
@@ -226,6 +227,8 @@ def main() -> None:
     run.add_argument("--out", default=os.environ.get("OUT", "out/tail"))
     run.add_argument("--settle", type=float, default=0.0, help="B sleeps this long after its warm-up (registration)")
     run.add_argument("--trace", action="store_true", help="also write the profiled request's chrome trace (gzip)")
+    run.add_argument("--plain", action="store_true", help="B times TTFT only: no phase timers, no profile")
+    run.add_argument("--arms", default="fp8,bf16")
     for name in ("replica", "profiled"):
         child = sub.add_parser(name)
         for flag in ("--pool", "--rows", "--model", "--device", "--role", "--arm", "--jobs"):
@@ -233,6 +236,7 @@ def main() -> None:
         child.add_argument("--max-model-len", type=int, required=True)
         child.add_argument("--settle", type=float, default=0.0)
         child.add_argument("--trace", type=int, default=0)
+        child.add_argument("--plain", type=int, default=0)
     ns = parser.parse_args()
     if ns.mode == "replica":
         from h200_run12 import replica
