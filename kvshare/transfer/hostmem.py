@@ -7,9 +7,11 @@ registration faults in every page this process has not touched), and one registr
 drivers. So an arena view is registered as `Pieces`: ranges of whole pages of at most
 `piece_bytes` each, registered by a few threads in the background, while a transfer waits only for the pieces its
 pages lie in (`Registration.ensure`), taking a piece nobody has started yet on its own thread. Measured on an H200
-(docs/results/h200/NOTES.md, run 12): the engine's thread still waited for every piece before it was ready, and more
-threads registered no faster: the registering thread holds the GIL or a driver lock meanwhile (not told apart yet).
-A copy never spans two pieces (kvshare.transfer.cuda.page_runs): each is its own allocation to the driver.
+(docs/results/h200/NOTES.md): in run 12 the engine waited for every piece before it was ready (+33 s at 100 GiB),
+because its own driver calls queued behind the registering ones; with the transfer's driver calls made before the
+registration starts, run 13's replica was ready 1.2-1.5 s after one without a pool, the pieces done ~10 s later.
+While a piece registers the driver makes other calls wait (up to ~2 s for one call in run 13): the GIL is not the
+cause, more threads do not help. A copy never spans two pieces (kvshare.transfer.cuda.page_runs): each is its own allocation to the driver.
 
 How cudaHostRegister is called (`register_via()`): through ctypes on the libcudart that torch loaded (the one this
 process has mapped, else the one in torch's wheel directories), because a ctypes call releases the GIL for its whole
