@@ -11,7 +11,8 @@ pages lie in (`Registration.ensure`), taking a piece nobody has started yet on i
 because its own driver calls queued behind the registering ones; with the transfer's driver calls made before the
 registration starts, run 13's replica was ready 1.2-1.5 s after one without a pool, the pieces done ~10 s later.
 While a piece registers the driver makes other calls wait (up to ~2 s for one call in run 13): the GIL is not the
-cause, more threads do not help. A copy never spans two pieces (kvshare.transfer.cuda.page_runs): each is its own allocation to the driver.
+cause, more threads do not help. A copy never spans two pieces (kvshare.transfer.cuda.page_runs): each is its own
+allocation to the driver.
 
 How cudaHostRegister is called (`register_via()`): through ctypes on the libcudart that torch loaded (the one this
 process has mapped, else the one in torch's wheel directories), because a ctypes call releases the GIL for its whole
