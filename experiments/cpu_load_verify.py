@@ -1,7 +1,7 @@
 """What verification costs a CPU load (issue 24: why kvshare is level with, not ahead of, LMCache at 3k-6k tokens):
 the `small` model's KV of one prompt (fp32, vLLM's CPU layout, 128-token blocks, 256-token chunks, 2 MiB pages) loaded
 from an arena into KV tensors by kvshare's CPU transfer, with verification off, on with the numpy hash and on with
-the compiled fused kernel (kvshare.transfer.fused_hash; arms rotating), and each hash alone.
+the compiled loop (kvshare.transfer.fused_hash; arms rotating), and each hash alone on 1-3 hashing threads.
 
     .venv/bin/python experiments/cpu_load_verify.py --tokens 6144 --repeats 7 \
         --out docs/results/connectors-cpu/load-verify
@@ -69,22 +69,18 @@ def main() -> None:
         results["load_verify_on_numpy"] = spread(arms["numpy"])
         results["load_verify_on_compiled"] = spread(arms["compiled"])
         extents = transfer._extents(plan(transfer.space, loads, PAGE, transfer.num_pages, loading=True))
-        alone = []
-        for _ in range(args.repeats):
-            started = time.perf_counter()
-            fused_hash.start(pages, extents).result()
-            alone.append(time.perf_counter() - started)
-        results["hash_alone_compiled"] = spread(alone)
-        for threads in (1, 2, 3):
-            transfer_checksum._hashers.cache_clear()
-            transfer_checksum.HASH_THREADS = threads
-            alone = []
-            for _ in range(args.repeats):
-                started = time.perf_counter()
-                for future in transfer.start_checksums(extents):
-                    future.result()
-                alone.append(time.perf_counter() - started)
-            results[f"hash_alone_numpy_{threads}_threads"] = spread(alone)
+        for hashing in ("numpy", "compiled"):
+            os.environ["KVSHARE_HOST_HASH"] = hashing
+            for threads in (1, 2, 3):
+                transfer_checksum._hashers.cache_clear()
+                transfer_checksum.HASH_THREADS = threads
+                alone = []
+                for _ in range(args.repeats):
+                    started = time.perf_counter()
+                    for future in transfer.start_checksums(extents):
+                        future.result()
+                    alone.append(time.perf_counter() - started)
+                results[f"hash_alone_{hashing}_{threads}_threads"] = spread(alone)
     mib = results["bytes"] / 2**20
     lines = [f"CPU load of {args.tokens} tokens of the small model's KV ({mib:.0f} MiB, fp32), {os.cpu_count()} cores, "
              f"{args.repeats} repeats; ms", "", "| what | median | min | max |", "| --- | --- | --- | --- |"]

@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
 from kvshare.engine.testing import make_tiny_model
-
-# The suite hashes on the host with numpy, in this process and in every replica it starts (they inherit the
-# environment): in the default mode ("auto") each process would compile the fused kernel once, seconds of CPU apiece
-# on CI's two cores. The kernel's own tests, and one cross-replica test on each engine, set it back (the same bits:
-# tests/transfer/test_fused_hash.py).
-os.environ.setdefault("KVSHARE_HOST_HASH", "numpy")
 
 
 @pytest.fixture(scope="session")

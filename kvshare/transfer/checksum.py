@@ -14,14 +14,19 @@ import numpy as np
 import torch
 
 from kvshare import checksum
+from kvshare.transfer import fused_hash
 
 # Host hashing threads. numpy passes retake the GIL, so more threads fight over it (and over the engine thread's
-# turns) instead of hashing faster: 4 threads reached 5.0 GB/s on the H200 host, 16 threads 3.7 (run 10).
+# turns) instead of hashing faster: 4 threads reached 5.0 GB/s on the H200 host, 16 threads 3.7 (run 10). The
+# compiled loop (fused_hash) holds no GIL at all.
 HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 def arena_checksum(pages: np.ndarray, page_ids: Sequence[int], nbytes: int) -> int:
-    """The checksum of a chunk as it lies in the arena (uint8 [num_pages, page_size]): the extent, tails included."""
+    """The checksum of a chunk as it lies in the arena (uint8 [num_pages, page_size]): the extent, tails included;
+    by the compiled loop where it is built and takes the chunk (same bits, no GIL held), else by numpy."""
+    if fused_hash.available() and fused_hash.supports(pages.shape[1], nbytes):
+        return fused_hash.chunk_checksum(pages, page_ids, nbytes)
     return checksum.pages_checksum(pages, page_ids, nbytes)
 
 

@@ -1,10 +1,9 @@
 """The CPU path: gathers and scatters straight between the KV tensors and arena page views, with no staging copy.
 
 Every copy runs synchronously on the calling thread, so a returned TransferHandle is already done and stream races do
-not apply (torch CPU ops complete before they return). Checksums: with the compiled kernel (kvshare.transfer.fused_hash)
-on its own thread once the copies are done, a store's over what it wrote and a load's over what it read (a read
-lease keeps those pages unchanged); until that kernel is ready, or without it, on the numpy hashing threads: a
-store's after its copies, a load's while its copies run.
+not apply (torch CPU ops complete before they return). Checksums hash on host threads: a store's after its copies
+(they hash what was written), a load's while its copies run (both only read the pages, which a read lease keeps);
+with the compiled loop of kvshare.transfer.fused_hash once it is built (it runs without the GIL), numpy until then.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from kvshare.transfer.transfer import Transfer, TransferOptions
 class CpuTransfer(Transfer):
     def __init__(self, space, pages: torch.Tensor, options: TransferOptions):
         super().__init__(space, pages, options)
-        fused_hash.prepare()  # "auto": compiles in the background; loads use numpy until it is ready
+        fused_hash.prepare()  # "auto": built in the background; hashing uses numpy until it is ready
 
     def _store(self, plans: list[ChunkPlan]) -> TransferHandle:
         for chunk in plans:
@@ -32,12 +31,11 @@ class CpuTransfer(Transfer):
                     for view, offset in zip(group.views, self.space.run_offsets):
                         out = units[a - u0 : b - u0, offset : offset + self.space.run_bytes]
                         torch.index_select(view, 0, rows[a:b], out=out)  # writes the page in place
-        return self._checksummed(self._extents(plans), None)
+        hashing = self.start_checksums(self._extents(plans))
+        return TransferHandle(checksums=lambda: [f.result() for f in hashing])
 
     def _load(self, plans: list[ChunkPlan], checksums: bool) -> TransferHandle:
-        extents = self._extents(plans) if checksums else []
-        fused = self._fused(extents)
-        hashing = self.start_checksums(extents) if checksums and not fused else None
+        hashing = self.start_checksums(self._extents(plans)) if checksums else None
         for chunk in plans:
             rows = torch.from_numpy(chunk.rows)
             for j, page in enumerate(chunk.pages.tolist()):
@@ -48,20 +46,7 @@ class CpuTransfer(Transfer):
                         for view, offset in zip(group.views, self.space.run_offsets):
                             source = units[s - u0 : e - u0, offset : offset + self.space.run_bytes]
                             _scatter_rows(view, chunk.rows[s:e], rows[s:e], source)
-        return self._checksummed(extents, hashing) if checksums else TransferHandle()
-
-    def _fused(self, extents: list[tuple[list[int], int]]) -> bool:
-        """Whether these chunks hash with the compiled kernel (ready, and every chunk's shape supported)."""
-        return fused_hash.available() and all(fused_hash.supports(self.page_size, n) for _, n in extents)
-
-    def _checksummed(self, extents: list[tuple[list[int], int]], hashing: list | None) -> TransferHandle:
-        """A done handle whose checksums() are the extents' checksums: already hashing on the numpy threads
-        (`hashing`), else with the compiled kernel (started now: after the copies), else on the numpy threads."""
-        if hashing is None and self._fused(extents):
-            fused = fused_hash.start(self.pages, extents)
-            return TransferHandle(checksums=fused.result)
-        hashing = hashing if hashing is not None else self.start_checksums(extents)
-        return TransferHandle(checksums=lambda: [f.result() for f in hashing])
+        return TransferHandle(checksums=(lambda: [f.result() for f in hashing]) if hashing is not None else None)
 
     def _page_units(self, page: int) -> torch.Tensor:
         used = self.units_per_page * self.layout.block_bytes

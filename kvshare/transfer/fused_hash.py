@@ -1,46 +1,84 @@
-"""The chunk checksum of kvshare.checksum as one fused CPU kernel, made by torch's compiler: the same bits, one pass.
+"""The chunk checksum of kvshare.checksum as one compiled loop: the same bits, one pass, no GIL held.
 
 Why: the numpy path makes seven passes over every word (two folds, two multiplies, a sum) and hashes ~3 GB/s on one
-core; a CPU replica's verified load of 6144 tokens of the `small` model spent 37-50 ms hashing beside a 27 ms copy
-(docs/results/connectors-cpu/load-verify). Here the gather of the chunk's pages, the coefficients c_i, both folds,
-the multiplies and the sum are one loop that reads each word once (~2x faster on one core, and torch's intra-op
-threads split it).
+core; a CPU replica's verified load of 6,144 tokens of the `small` model spent 37-50 ms hashing beside a 27 ms copy
+(docs/results/connectors-cpu/load-verify). Here each word is read once: fold, multiply, fold, times its inner
+coefficient, summed per coefficient block and the block's sum times its outer coefficient (the numpy path's
+grouping; a sum mod 2^64 in any grouping has the same bits).
+
+How it is built: the C source below, compiled once per process by the system C compiler (`cc`, the one vLLM's CPU
+build and torch's compiler need too) into a temporary shared library and called through ctypes. A ctypes call
+releases the GIL, so the hashing threads (kvshare.transfer.checksum) run it in parallel with each other and beside a
+transfer's copy loop, whatever the process's OpenMP settings (a vLLM CPU worker binds OpenMP to the model's cores).
+A kernel made by torch's compiler was tried first: its generated binding holds the GIL and its OpenMP threads
+followed vLLM's binding to one core (docs/results/connectors-cpu/README.md).
 
 Invariants:
 - Bits: `chunk_checksum` equals `kvshare.checksum.pages_checksum` for every chunk it accepts (`supports`); the
-  tests compare them over many shapes. It reads exactly the extent: words past `nbytes` get coefficient 0.
-- The kernel holds the GIL while it runs (torch's generated binding does not release it): beside a copy loop that
-  needs the GIL between rows it only takes turns with it (measured: no faster than hashing after the copies). So
-  callers start it once their copies are done (`start`), and it runs on one thread of its own, allowed on every CPU,
-  with its own OpenMP threads (THREADS, fixed when it is compiled): a vLLM CPU worker's thread, pinned to the
-  model's cores with one intra-op thread, would otherwise hash on one core.
-- Mode (`KVSHARE_HOST_HASH`): "auto" (default) compiles once per process in the background when a transfer first
-  asks (`prepare`); until it is ready, and for good if compiling fails (no C++ compiler), callers use the numpy
-  path. "compiled" compiles on first use and raises if it cannot. "numpy" never compiles.
+  tests compare them over many shapes, and the kernel checks itself against numpy once before first use. It reads
+  exactly the extent (the first `nbytes` of the chunk's pages) and only pages the arena holds (page ids are checked
+  in Python before the C loop sees them).
+- Mode (`KVSHARE_HOST_HASH`): "auto" (default) compiles in the background when a transfer first asks (`prepare`);
+  until it is ready, and for good where it cannot be built (no C compiler), callers use numpy. "compiled" compiles
+  on first use and raises if it cannot. "numpy" never compiles.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from functools import lru_cache
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-import torch
 
 from kvshare import checksum
-from kvshare.transfer.checksum import HASH_THREADS, _shifted_high, _signed, run_on_every_cpu
 
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "compiled", "numpy")
-_BLOCK = checksum.BLOCK_WORDS
-_MIX = _signed(checksum.MIX_MULTIPLIER)  # as int64: torch multiplies int64 with wraparound, as numpy uint64
 _MAX_BLOCKS = 1 << 16  # outer coefficients kept for extents of up to 16 GiB (a chunk is tens of MiB)
+
+SOURCE = r"""
+#include <stdint.h>
+
+#define BLOCK_WORDS %(block)du
+#define MIX %(mix)dull
+
+static inline uint64_t mix(uint64_t x) {
+    x ^= x >> 32;
+    x *= MIX;
+    return x ^ (x >> 32);
+}
+
+/* sum over extent words i < nwords of mix(w_i) * inner[i %% BLOCK] * outer[i / BLOCK], mod 2^64. The extent is the
+   pages page_ids[0 .. pages) of arena, page_words words each, laid end to end. */
+uint64_t kvshare_terms(const uint64_t *arena, uint64_t page_words, const int64_t *page_ids, uint64_t pages,
+                       uint64_t nwords, const uint64_t *inner, const uint64_t *outer) {
+    uint64_t total = 0, i = 0;
+    for (uint64_t p = 0; p < pages && i < nwords; p++) {
+        const uint64_t *page = arena + (uint64_t)page_ids[p] * page_words;
+        uint64_t first = i, end = nwords - i < page_words ? nwords : i + page_words;
+        while (i < end) {
+            uint64_t block = i / BLOCK_WORDS, stop = (block + 1) * BLOCK_WORDS;
+            if (stop > end) stop = end;
+            const uint64_t *w = page + (i - first), *a = inner + (i - block * BLOCK_WORDS);
+            uint64_t sum = 0, n = stop - i;
+            for (uint64_t k = 0; k < n; k++) sum += mix(w[k]) * a[k];
+            total += sum * outer[block];
+            i = stop;
+        }
+    }
+    return total;
+}
+""" % {"block": checksum.BLOCK_WORDS, "mix": checksum.MIX_MULTIPLIER}
 
 
 def mode() -> str:
@@ -50,53 +88,54 @@ def mode() -> str:
     return value
 
 
-def _terms(arena: torch.Tensor, page_ids: torch.Tensor, nwords: int, inner: torch.Tensor,
-           outer: torch.Tensor) -> torch.Tensor:
-    """sum_i mix(w_i) * c_i (int64, wrapping) over the first `nwords` words of the extent made of `page_ids`' rows
-    of `arena` (int64 [num_pages, page_words], page_words a multiple of the coefficient block). Traced by the
-    compiler into one loop; written with whole coefficient blocks so that c_i = inner[r] * outer[block] needs no
-    division per word."""
-    pages, page_words = page_ids.shape[0], arena.shape[1]
-    blocks_per_page = page_words // _BLOCK
-    words = arena[page_ids].view(pages, blocks_per_page, _BLOCK)
-    block = (torch.arange(pages).view(pages, 1) * blocks_per_page + torch.arange(blocks_per_page).view(1, -1))
-    position = block.view(pages, blocks_per_page, 1) * _BLOCK + torch.arange(_BLOCK).view(1, 1, _BLOCK)
-    c = inner.view(1, 1, _BLOCK) * outer[block].view(pages, blocks_per_page, 1)
-    c = torch.where(position < nwords, c, 0)
-    x = _shifted_high(words).bitwise_xor(words)  # fold
-    x = x * _MIX
-    x = x.bitwise_xor(_shifted_high(x))  # fold
-    return (x * c).sum(dtype=torch.int64)
+def _build(folder: Path) -> ctypes.CDLL:
+    """Compile SOURCE into `folder` and load it: for this CPU first (-march=native), else for any of its kind."""
+    compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
+    source, library = folder / "kvshare_hash.c", folder / "kvshare_hash.so"
+    source.write_text(SOURCE)
+    for flags in (["-O3", "-march=native"], ["-O3"]):
+        built = subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", str(library), str(source)],
+                               capture_output=True, text=True, timeout=120)
+        if built.returncode == 0:
+            break
+    else:
+        raise RuntimeError(f"{compiler} failed: {built.stderr.strip().splitlines()[-1] if built.stderr else ''}")
+    loaded = ctypes.CDLL(str(library))  # CDLL: each call releases the GIL
+    loaded.kvshare_terms.restype = ctypes.c_uint64
+    loaded.kvshare_terms.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64,
+                                     ctypes.c_uint64, ctypes.c_void_p, ctypes.c_void_p]
+    return loaded
 
 
 class _Kernel:
-    """The compiled `_terms`, made at most once per process (thread-safe)."""
+    """The compiled loop, built at most once per process (thread-safe)."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._ready = threading.Event()
-        self._fn = None
+        self.library: ctypes.CDLL | None = None
         self.failed: str | None = None
-        self._inner = torch.from_numpy(checksum._A.view(np.int64))
-        self._outer = torch.from_numpy(checksum._outer(np.arange(_MAX_BLOCKS)).view(np.int64))
+        self.inner = checksum._A  # uint64 [BLOCK_WORDS]
+        self.outer = checksum._outer(np.arange(_MAX_BLOCKS))  # uint64 [_MAX_BLOCKS]
 
     def ready(self) -> bool:
-        return self._ready.is_set() and self._fn is not None
+        return self._ready.is_set() and self.library is not None
 
-    def compile(self) -> None:
-        """Compile and check the kernel against the numpy path on a small extent (once; later calls return)."""
+    def build(self) -> None:
+        """Compile, load and check the loop against the numpy path on a small extent (once; later calls return)."""
         with self._lock:
             if self._ready.is_set():
                 return
             started = time.perf_counter()
             try:
-                # dynamic: one kernel for every chunk and arena size. cpp.threads: the OpenMP threads of each call,
-                # whatever the intra-op threads of the process (vLLM's CPU worker sets one for a pinned core)
-                fn = torch.compile(_terms, dynamic=True, fullgraph=True, options={"cpp.threads": HASH_THREADS})
-                self._fn = fn if self._self_check(fn) else None
-                if self._fn is None:
-                    self.failed = "the compiled kernel's checksum differs from the numpy path's"
-            except Exception as error:  # noqa: BLE001 - any compiler failure means: use numpy
+                with tempfile.TemporaryDirectory(prefix="kvshare-hash-") as folder:
+                    library = _build(Path(folder))  # loaded: the file may go, the mapping stays
+                self.library = library if self._self_check(library) else None
+                if self.library is None:
+                    self.failed = "the compiled checksum differs from the numpy path's"
+            except Exception as error:  # noqa: BLE001 - whatever fails, numpy stays
                 self.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             if self.failed:
                 log.warning("kvshare: the compiled host checksum is not available (%s); using numpy", self.failed)
@@ -104,66 +143,58 @@ class _Kernel:
                 log.info("kvshare: compiled host checksum ready (%.1f s)", time.perf_counter() - started)
             self._ready.set()
 
-    def _self_check(self, fn) -> bool:
-        page_words = 2 * _BLOCK
-        arena = np.random.default_rng(0).integers(0, 1 << 63, size=(3, page_words), dtype=np.uint64)
-        nbytes = (page_words + 5) * checksum.WORD
-        got = int(fn(torch.from_numpy(arena.view(np.int64)), torch.tensor([2, 0]), nbytes // checksum.WORD,
-                     self._inner, self._outer))
-        expected = checksum.pages_checksum(arena.view(np.uint8), [2, 0], nbytes)
-        return checksum.finish(got & checksum.MASK, nbytes) == expected
+    def _self_check(self, library: ctypes.CDLL) -> bool:
+        arena = np.random.default_rng(0).integers(0, 256, size=(3, 2 * checksum.BLOCK_WORDS * 8 + 24),
+                                                  dtype=np.uint8)
+        nbytes = arena.shape[1] + 8 * 40_000
+        return self.checksum(library, arena, [2, 0], nbytes) == checksum.pages_checksum(arena, [2, 0], nbytes)
 
-    def terms(self, arena: torch.Tensor, page_ids: Sequence[int], nwords: int) -> int:
-        return int(self._fn(arena, torch.tensor(page_ids, dtype=torch.int64), nwords, self._inner, self._outer))
+    def checksum(self, library: ctypes.CDLL, arena: np.ndarray, page_ids: Sequence[int], nbytes: int) -> int:
+        ids = np.ascontiguousarray(page_ids, dtype=np.int64)
+        total = library.kvshare_terms(arena.ctypes.data, arena.shape[1] // checksum.WORD, ids.ctypes.data, len(ids),
+                                      nbytes // checksum.WORD, self.inner.ctypes.data, self.outer.ctypes.data)
+        return checksum.finish(total, nbytes)
 
 
 _kernel = _Kernel()
 
 
 def prepare() -> None:
-    """Make the kernel available as the mode says: "auto" starts compiling in the background (once), "compiled"
-    compiles now and raises if it cannot, "numpy" does nothing."""
+    """Make the kernel available as the mode says: "auto" starts building it in the background (once), "compiled"
+    builds it now and raises if it cannot, "numpy" does nothing."""
     chosen = mode()
     if chosen == "numpy" or _kernel._ready.is_set():
         pass
     elif chosen == "compiled":
-        _kernel.compile()
+        _kernel.build()
     else:
-        threading.Thread(target=_kernel.compile, name="kvshare-hash-compile", daemon=True).start()
+        threading.Thread(target=_kernel.build, name="kvshare-hash-build", daemon=True).start()
     if chosen == "compiled" and not _kernel.ready():
-        raise RuntimeError(f"KVSHARE_HOST_HASH=compiled, but the kernel could not be compiled: {_kernel.failed}")
+        raise RuntimeError(f"KVSHARE_HOST_HASH=compiled, but the kernel could not be built: {_kernel.failed}")
 
 
 def available() -> bool:
-    """Whether chunk_checksum can run now (the mode allows it and the kernel is compiled and checked)."""
+    """Whether chunk_checksum can run now (the mode allows it and the kernel is built and checked)."""
     return mode() != "numpy" and _kernel.ready()
 
 
 def supports(page_size: int, nbytes: int) -> bool:
-    """Whether chunk_checksum takes chunks of `nbytes` in pages of `page_size` (whole coefficient blocks a page,
-    whole words, an extent the outer table covers); the numpy path takes any."""
-    return (page_size % (_BLOCK * checksum.WORD) == 0 and nbytes % checksum.WORD == 0
-            and nbytes <= _MAX_BLOCKS * _BLOCK * checksum.WORD)
+    """Whether chunk_checksum takes chunks of `nbytes` in pages of `page_size` (whole words, an extent the outer
+    table covers, a little-endian host); the numpy path takes any."""
+    return (sys.byteorder == "little" and page_size % checksum.WORD == 0 and nbytes % checksum.WORD == 0
+            and nbytes <= _MAX_BLOCKS * checksum.BLOCK_WORDS * checksum.WORD)
 
 
-@lru_cache(maxsize=1)
-def _thread() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(1, thread_name_prefix="kvshare-fused-hash", initializer=run_on_every_cpu)
-
-
-def start(arena: torch.Tensor, extents: Sequence[tuple[Sequence[int], int]]) -> Future:
-    """A future of [chunk_checksum(arena, page ids, nbytes) for each extent], hashed on the kernel's own thread. The
-    caller keeps those pages unchanged until it is done (a read lease, or a finished store)."""
-    return _thread().submit(lambda: [chunk_checksum(arena, ids, nbytes) for ids, nbytes in extents])
-
-
-def chunk_checksum(arena: torch.Tensor, page_ids: Sequence[int], nbytes: int) -> int:
-    """kvshare.checksum.pages_checksum of a chunk held by `page_ids` of `arena` (uint8 [num_pages, page_size]),
-    computed by the compiled kernel on this thread (it holds the GIL: see `start`). Needs available() and
+def chunk_checksum(arena: np.ndarray, page_ids: Sequence[int], nbytes: int) -> int:
+    """kvshare.checksum.pages_checksum of a chunk held by `page_ids` of `arena` (a C-contiguous uint8 numpy array
+    [num_pages, page_size]), by the compiled loop, on this thread, without the GIL. Needs available() and
     supports(page_size, nbytes)."""
-    page_size = arena.shape[1]
+    num_pages, page_size = arena.shape
     need = -(-nbytes // page_size)
     if len(page_ids) != need:
         raise ValueError(f"{nbytes} bytes span {need} pages of {page_size}, got {len(page_ids)}")
-    total = _kernel.terms(arena.view(torch.int64), page_ids, nbytes // checksum.WORD)
-    return checksum.finish(total & checksum.MASK, nbytes)
+    if not arena.flags.c_contiguous or arena.dtype != np.uint8:
+        raise ValueError("the arena must be a C-contiguous uint8 array")
+    if any(not 0 <= page < num_pages for page in page_ids):  # the C loop reads where these point
+        raise ValueError(f"page ids {list(page_ids)} outside an arena of {num_pages} pages")
+    return _kernel.checksum(_kernel.library, arena, page_ids, nbytes)

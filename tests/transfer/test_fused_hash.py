@@ -1,5 +1,9 @@
 """The compiled host checksum (kvshare.transfer.fused_hash): the numpy path's bits for every chunk shape it takes,
-only the extent's bytes counted, and a CPU transfer that uses it on its calling thread once it is ready."""
+only the extent's bytes counted, pages outside the arena refused, hashing threads that run it without the GIL, and
+a CPU transfer that uses it once it is built."""
+
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -9,12 +13,12 @@ from kvshare import checksum
 from kvshare.transfer import KVLayout, LoadJob, StoreJob, fused_hash, make_transfer
 from tests.transfer.conftest import make_kv
 
-BLOCK_BYTES = checksum.BLOCK_WORDS * checksum.WORD  # 256 KiB: the smallest page the kernel takes
+BLOCK_BYTES = checksum.BLOCK_WORDS * checksum.WORD  # 256 KiB: one coefficient block
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    """The kernel, compiled once for this module (the first compile takes seconds)."""
+    """The kernel, built once for this module."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KVSHARE_HOST_HASH", "compiled")
         fused_hash.prepare()
@@ -26,24 +30,24 @@ def _arena(num_pages: int, page_size: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size=(num_pages, page_size), dtype=np.uint8)
 
 
-@pytest.mark.parametrize("page_size", [BLOCK_BYTES, 2 * BLOCK_BYTES, 8 * BLOCK_BYTES])
+@pytest.mark.parametrize("page_size", [4096, 64 << 10, BLOCK_BYTES, 3 * BLOCK_BYTES + 4096, 8 * BLOCK_BYTES])
 @pytest.mark.parametrize("shape", ["whole pages", "last page mid-block", "last page one word", "one page, part"])
 def test_equal_to_the_numpy_path(compiled, page_size, shape):
     arena = _arena(7, page_size, seed=page_size)
     page_ids = {"whole pages": [5, 1, 3], "last page mid-block": [2, 6, 0], "last page one word": [4, 2],
                 "one page, part": [6]}[shape]
-    last = {"whole pages": page_size, "last page mid-block": page_size // 2 + 8 * 1001, "last page one word": 8,
+    last = {"whole pages": page_size, "last page mid-block": page_size // 2 + 8 * 13, "last page one word": 8,
             "one page, part": page_size - 8 * 77}[shape]
     nbytes = (len(page_ids) - 1) * page_size + last
     assert fused_hash.supports(page_size, nbytes)
-    got = fused_hash.chunk_checksum(torch.from_numpy(arena), page_ids, nbytes)
+    got = fused_hash.chunk_checksum(arena, page_ids, nbytes)
     assert got == checksum.pages_checksum(arena, page_ids, nbytes)
 
 
 def test_counts_the_extent_only_and_every_word_of_it(compiled):
     page_size = 2 * BLOCK_BYTES
     arena = _arena(3, page_size, seed=1)
-    pages, nbytes = torch.from_numpy(arena), 2 * page_size - 4096
+    pages, nbytes = arena, 2 * page_size - 4096
     before = fused_hash.chunk_checksum(pages, [2, 0], nbytes)
     arena[0, page_size - 4096 :] ^= 0xFF  # past the extent: not the chunk's bytes
     assert fused_hash.chunk_checksum(pages, [2, 0], nbytes) == before
@@ -54,12 +58,33 @@ def test_counts_the_extent_only_and_every_word_of_it(compiled):
     assert fused_hash.chunk_checksum(pages, [0, 2], nbytes) != before  # the pages' order counts
     with pytest.raises(ValueError, match="span 2 pages"):
         fused_hash.chunk_checksum(pages, [2], nbytes)
+    with pytest.raises(ValueError, match="outside an arena of 3 pages"):  # never handed to the C loop
+        fused_hash.chunk_checksum(pages, [2, 3], nbytes)
 
 
-def test_supports_only_pages_of_whole_coefficient_blocks():
-    assert not fused_hash.supports(64 << 10, 64 << 10)
+def test_supports_whole_words():
     assert not fused_hash.supports(BLOCK_BYTES, BLOCK_BYTES - 4)
-    assert fused_hash.supports(2 << 20, 6 << 20)
+    assert not fused_hash.supports(4100, 4096)
+    assert fused_hash.supports(2 << 20, 6 << 20) and fused_hash.supports(4096, 4096 * 3 - 8)
+
+
+def test_hashing_threads_run_it_without_the_gil(compiled):
+    """While one thread hashes 64 MiB over and over in the C loop, this thread's Python keeps running: ctypes let the
+    GIL go (a kernel that held it, as torch's compiled one did, would leave this loop at a handful of turns)."""
+    arena, stop, turns = _arena(32, 2 << 20, seed=3), threading.Event(), []
+
+    def hash_until_stopped():
+        while not stop.is_set():
+            fused_hash.chunk_checksum(arena, list(range(32)), 64 << 20)
+
+    worker = threading.Thread(target=hash_until_stopped)
+    worker.start()
+    started = time.perf_counter()
+    while time.perf_counter() - started < 0.5:
+        turns.append(sum(range(1000)))  # pure Python: needs the GIL each time
+    stop.set()
+    worker.join()
+    assert len(turns) > 1000, len(turns)
 
 
 def test_mode_numpy_never_compiles_and_a_bad_mode_is_refused(monkeypatch):
@@ -86,10 +111,10 @@ def test_cpu_transfer_hashes_with_the_kernel_and_catches_a_changed_page(compiled
                            for c in range(2)])
     sums = stored.checksums()
     nbytes = layout.chunk_nbytes(chunk_blocks * layout.block_size, page)
-    assert sums == [checksum.pages_checksum(pages, s, nbytes) for s in spans] and calls == spans
+    assert sums == [checksum.pages_checksum(pages, s, nbytes) for s in spans] and sorted(calls) == sorted(spans)  # hashed on the hashing threads
     reader = make_transfer(layout, make_kv(layout, seed=2), tensor)
     jobs = [LoadJob(spans[c], list(range(c * chunk_blocks, (c + 1) * chunk_blocks))) for c in range(2)]
-    assert reader.load(jobs, checksums=True).checksums() == sums and calls[2:] == spans
+    assert reader.load(jobs, checksums=True).checksums() == sums and sorted(calls[2:]) == sorted(spans)
     pages[3, 100] ^= 0x40  # a byte of chunk 1 changes after its commit
     changed = reader.load(jobs, checksums=True).checksums()
     assert changed[0] == sums[0] and changed[1] != sums[1]
