@@ -4,7 +4,9 @@
 
 Per (arm, length): B's TTFT (the cross-replica load) as median, min-max and interquartile range; the external hit
 tokens B reported; how many answers equal the no-connector replica's; A's TTFT (the storing request) and its paired
-difference from the no-connector replica's TTFT on the same prompt.
+difference from the no-connector replica's TTFT on the same prompt; B's TTFT of the first arm (kvshare) minus each
+other arm's on the same prompt (the arms ran interleaved on each prompt, so the pair shares the prompt, the
+recompute of its tail and the machine's load at that moment).
 """
 
 from __future__ import annotations
@@ -54,9 +56,25 @@ def summarize(rows: list[dict]) -> dict:
                 "exact": sum(1 for r in mine if r["exact"]), "answers": sum(1 for r in mine if not r["error"]),
                 "errors": sorted({r["error"] for r in mine if r["error"]}),
             }
+    summary["paired_b"] = paired_b(measured, arms, lengths)
     probes = [r for r in rows if r["kind"] == "probe"]
     summary["probes"] = [{k: r[k] for k in ("arm", "role", "length", "ttft_s", "exact", "error")} for r in probes]
     return summary
+
+
+def paired_b(measured: list[dict], arms: list[str], lengths: list[int]) -> dict:
+    """{other arm: {length: cell of (first arm's B TTFT - other arm's B TTFT) per prompt, plus 'faster': the
+    number of prompts where the first arm's was lower}}, over prompts both arms answered."""
+    b = {(r["arm"], r["length"], r["repeat"]): r["ttft_s"] for r in measured
+         if r["role"] == "B" and not r["error"] and r["ttft_s"] is not None}
+    first, result = arms[0], {}
+    for other in arms[1:]:
+        result[other] = {}
+        for n in lengths:
+            diffs = [b[(first, n, k)] - b[(other, n, k)] for (arm, length, k) in b
+                     if arm == first and length == n and (other, n, k) in b]
+            result[other][n] = {**cell(diffs), "faster": sum(d < 0 for d in diffs)}
+    return result
 
 
 def fmt(c: dict) -> str:
@@ -102,6 +120,20 @@ def markdown(meta: dict, summary: dict) -> str:
             cells += [fmt(s["b_ttft"]), ",".join(str(int(h)) for h in s["b_hit_tokens"]) or "-",
                       f"{s['exact']}/{s['answers']}"]
         lines.append(f"| {n} | {fmt(summary['off'][n])} | " + " | ".join(cells) + " |")
+    if len(arms) > 1:
+        first = arms[0]
+        lines += ["", f"## B's TTFT, {first} minus each other arm on the same prompt (seconds; < 0: {first} faster)",
+                  "",
+                  "median (min to max), and the prompts where " + first + " was faster", "",
+                  "| length | " + " | ".join(f"{first} - {a}" for a in arms[1:]) + " |",
+                  "| --- | " + " | ".join("---" for _ in arms[1:]) + " |"]
+        for n in lengths:
+            cells = []
+            for a in arms[1:]:
+                c = summary["paired_b"][a][n]
+                cells.append(f"{c['median']:+.3f} ({c['min']:+.3f} to {c['max']:+.3f}), {c['faster']} of {c['n']}"
+                             if c.get("n") else "-")
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
     lines += ["", "## A's TTFT: the request that computes and stores (seconds)", "",
               "median of A's TTFT, and the median of (A's TTFT - the no-connector replica's TTFT) on the same prompt",
               "", "| length | no connector | " + " | ".join(f"{a} A | {a} A - none" for a in arms) + " |",
