@@ -2,6 +2,7 @@
 only the extent's bytes counted, pages outside the arena refused, hashing threads that run it without the GIL, and
 a CPU transfer that uses it once it is built."""
 
+import sys
 import threading
 import time
 
@@ -69,22 +70,30 @@ def test_supports_whole_words():
 
 
 def test_hashing_threads_run_it_without_the_gil(compiled):
-    """While one thread hashes 64 MiB over and over in the C loop, this thread's Python keeps running: ctypes let the
-    GIL go (a kernel that held it, as torch's compiled one did, would leave this loop at a handful of turns)."""
-    arena, stop, turns = _arena(32, 2 << 20, seed=3), threading.Event(), []
+    """With the interpreter's switch interval raised to 10 s, a thread that holds the GIL keeps it until it blocks. This
+    thread still runs while another hashes 256 MiB in the C loop: the call let the GIL go (a kernel that kept it, as
+    torch's compiled one did, would leave no turn of this loop inside the call)."""
+    arena = np.full((64, 4 << 20), 7, dtype=np.uint8)
+    call, turns, done = [], [], threading.Event()
 
-    def hash_until_stopped():
-        while not stop.is_set():
-            fused_hash.chunk_checksum(arena, list(range(32)), 64 << 20)
+    def hash_once():
+        started = time.perf_counter()
+        fused_hash.chunk_checksum(arena, list(range(64)), 256 << 20)
+        call.extend([started, time.perf_counter()])
+        done.set()
 
-    worker = threading.Thread(target=hash_until_stopped)
-    worker.start()
-    started = time.perf_counter()
-    while time.perf_counter() - started < 0.5:
-        turns.append(sum(range(1000)))  # pure Python: needs the GIL each time
-    stop.set()
-    worker.join()
-    assert len(turns) > 1000, len(turns)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(10.0)
+    try:
+        worker = threading.Thread(target=hash_once)
+        worker.start()
+        while not done.is_set():  # bounded by the one call
+            turns.append(time.perf_counter())
+            time.sleep(0)  # lets the worker take the GIL
+        worker.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert any(call[0] < turn < call[1] for turn in turns), (call, len(turns))
 
 
 def test_mode_numpy_never_compiles_and_a_bad_mode_is_refused(monkeypatch):
