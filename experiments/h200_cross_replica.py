@@ -32,6 +32,27 @@ def document(length: int, seed: int, vocab: int) -> list[int]:
     return torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def first_token(engine, request_id: str, prompt: list[int]):
+    """Submit a one-token greedy request and wait for it: (seconds from submit to the first token event, or None if
+    none came; the finished event). TTFT is stamped in the event callback, so the wait's polling does not enter it."""
+    from kvshare.engine.api import GenerationRequest, SamplingParams
+
+    first, done = [], []
+    started = time.perf_counter()
+
+    def on_event(event):
+        if event.token_id is not None and not first:
+            first.append(time.perf_counter() - started)
+        if event.finished:
+            done.append(event)
+
+    engine.submit(GenerationRequest(request_id, tuple(prompt), SamplingParams(max_tokens=1, ignore_eos=True)),
+                  on_event)
+    while not done:
+        time.sleep(0.001)
+    return (first[0] if first else None), done[0]
+
+
 # ---- replica process ---------------------------------------------------------------------------------------------
 def replica(args) -> None:
     import torch

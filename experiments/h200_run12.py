@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from h200_cross_replica import QUESTIONS, document
+from h200_cross_replica import QUESTIONS, document, first_token
 
 KV_DTYPES = {"fp8": "fp8", "bf16": "auto"}
 
@@ -146,7 +146,6 @@ def probe(args) -> None:
 # ---- replica: A stores, B loads ---------------------------------------------------------------------------------
 def replica(args) -> None:
     from kvshare.connector import ConnectorConfig
-    from kvshare.engine.api import GenerationRequest, SamplingParams
     from kvshare.engine.config import EngineConfig
     from kvshare.engine.engine import Engine
     from kvshare.engine.pool_connector import PoolConnector
@@ -163,23 +162,11 @@ def replica(args) -> None:
         for job in jobs:
             prompt = document(job["length"], job["seed"], vocab) + document(QUESTIONS, job["question"], vocab)
             before = (stats.load_seconds, stats.load_failures)
-            first, done = [], []
-            t0 = time.perf_counter()
-
-            def on_event(event, first=first, done=done, t0=t0):
-                if event.token_id is not None and not first:
-                    first.append(time.perf_counter() - t0)
-                if event.finished:
-                    done.append(event)
-
-            engine.submit(GenerationRequest(job["id"], tuple(prompt), SamplingParams(max_tokens=1, ignore_eos=True)),
-                          on_event)
-            while not done:
-                time.sleep(0.001)
+            ttft, finished = first_token(engine, job["id"], prompt)
             flushed = time.perf_counter()
             engine.connector.core.flush(600)  # A's stores are committed before the next request and before B
-            row = dict(job, role=args.role, arm=args.arm, ttft_s=first[0] if first else None, error=done[0].error,
-                       pool_hit=done[0].usage.pool_hit_tokens, load_s=stats.load_seconds - before[0],
+            row = dict(job, role=args.role, arm=args.arm, ttft_s=ttft, error=finished.error,
+                       pool_hit=finished.usage.pool_hit_tokens, load_s=stats.load_seconds - before[0],
                        load_failures=stats.load_failures - before[1], commit_wait_s=time.perf_counter() - flushed,
                        replica_ready_s=ready)
             out.write(json.dumps(row) + "\n")
@@ -214,9 +201,16 @@ def spawn(mode: str, ns, clock: Clock, need: float, script: str = __file__, **ex
     for key, value in extra.items():
         command += [f"--{key.replace('_', '-')}", str(value)]
     print(f"== {mode} {' '.join(command[3:])}", flush=True)
-    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PYTHONUNBUFFERED": "1"}
+    return run_child(mode, command, clock)
+
+
+def run_child(mode: str, command: list[str], clock: Clock, env: dict | None = None) -> bool:
+    """Run one child part under what is left of the budget (expandable CUDA segments, unbuffered output, plus `env`);
+    False if it was cut or failed (noted in the log)."""
+    child_env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PYTHONUNBUFFERED": "1",
+                 **(env or {})}
     try:
-        result = subprocess.run(command, env=env, timeout=max(1.0, clock.left()))
+        result = subprocess.run(command, env=child_env, timeout=max(1.0, clock.left()))
     except subprocess.TimeoutExpired:
         print(f"== {mode} cut at the budget's end", flush=True)
         return False

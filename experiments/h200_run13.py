@@ -30,13 +30,14 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import zlib
 from pathlib import Path
 from typing import Callable
+
+from h200_run12 import Clock, run_child
 
 GIB = 1 << 30
 
@@ -302,16 +303,6 @@ def tail_profile(args) -> None:
 
 
 # ---- orchestrator ------------------------------------------------------------------------------------------------
-class Clock:
-    """What is left of the run's budget; every child gets at most that as its timeout."""
-
-    def __init__(self, budget: float):
-        self.end = time.monotonic() + budget
-
-    def left(self) -> float:
-        return self.end - time.monotonic()
-
-
 def spawn(mode: str, ns, clock: Clock, need: float, env: dict | None = None, **flags) -> bool:
     """Run a child part if at least `need` seconds are left; False if skipped, cut or failed (noted in the log)."""
     if clock.left() < need:
@@ -321,16 +312,7 @@ def spawn(mode: str, ns, clock: Clock, need: float, env: dict | None = None, **f
     for key, value in flags.items():
         command += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
     print(f"== {mode} {' '.join(command[3:])} {env or ''}", flush=True)
-    child_env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PYTHONUNBUFFERED": "1",
-                 **(env or {})}
-    try:
-        result = subprocess.run(command, env=child_env, timeout=max(1.0, clock.left()))
-    except subprocess.TimeoutExpired:
-        print(f"== {mode} cut at the budget's end", flush=True)
-        return False
-    if result.returncode:
-        print(f"== {mode} failed with {result.returncode}", flush=True)
-    return result.returncode == 0
+    return run_child(mode, command, clock, env)
 
 
 def startups(ns, clock: Clock, size: str, rows: Path, model: str, arms: list[tuple[str, bool]], need: float) -> None:

@@ -31,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from h200_cross_replica import QUESTIONS, document
+from h200_cross_replica import QUESTIONS, document, first_token
 from h200_run12 import KV_DTYPES, Clock, jobs_file, spawn
 
 PHASES = ("schedule", "load", "prefill", "sample")
@@ -60,14 +60,17 @@ class EngineThreadProfile:
     leaves it after a step once `stop()` is asked (the idle loop steps every IDLE_WAIT_S)."""
 
     def __init__(self, engine, activities):
-        self.activities, self.profile, self._step = activities, None, engine.step
+        import torch
+
+        self._new_profile = lambda: torch.profiler.profile(activities=activities)
+        self.profile, self._step = None, engine.step
         self._want: str | None = None
         self._stopped = threading.Event()
         engine.step = self._wrapped
 
     def _wrapped(self):
         if self._want == "start" and self.profile is None:
-            self.profile = torch_profiler().profile(activities=self.activities)
+            self.profile = self._new_profile()
             self.profile.__enter__()
             self._want = None
         try:
@@ -87,18 +90,11 @@ class EngineThreadProfile:
         return self.profile
 
 
-def torch_profiler():
-    import torch
-
-    return torch.profiler
-
-
 def profiled(args) -> None:
     import torch
 
     from kvshare.connector import ConnectorConfig
     from kvshare.engine import engine as engine_module
-    from kvshare.engine.api import GenerationRequest, SamplingParams
     from kvshare.engine.config import EngineConfig
     from kvshare.engine.engine import Engine
     from kvshare.engine.pool_connector import PoolConnector
@@ -126,26 +122,13 @@ def profiled(args) -> None:
         profile_this = index == 2 and not args.plain  # the warm-up, one plain document, then the profiled one
         phases.clear()
         load_before = stats.load_seconds
-        first, done = [], []
         if profile_this:
             profiler = EngineThreadProfile(engine, activities)
             profiler.start()
-        t0 = time.perf_counter()
-
-        def on_event(event, first=first, done=done, t0=t0):
-            if event.token_id is not None and not first:
-                first.append(time.perf_counter() - t0)
-            if event.finished:
-                done.append(event)
-
-        engine.submit(GenerationRequest(job["id"], tuple(prompt), SamplingParams(max_tokens=1, ignore_eos=True)),
-                      on_event)
-        while not done:
-            time.sleep(0.0005)
+        ttft, finished = first_token(engine, job["id"], prompt)
         profile = profiler.stop() if profile_this else None
-        ttft = first[0] if first else None
-        row = dict(job, arm=args.arm, profiled=profile_this, ttft_s=ttft, pool_hit=done[0].usage.pool_hit_tokens,
-                   load_call_s=stats.load_seconds - load_before, error=done[0].error,
+        row = dict(job, arm=args.arm, profiled=profile_this, ttft_s=ttft, pool_hit=finished.usage.pool_hit_tokens,
+                   load_call_s=stats.load_seconds - load_before, error=finished.error,
                    **{f"{name}_s": phases.get(name, 0.0) for name in PHASES})
         row["other_s"] = (ttft or 0.0) - sum(phases.get(name, 0.0) for name in PHASES)
         with open(out, "a") as f:

@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from h200_cross_replica import QUESTIONS, document
+from h200_cross_replica import QUESTIONS, document, first_token
 
 ARMS = {  # arm -> (verify, where B hashes); xxh3 also needs its own A'
     "off": (False, "device"),
@@ -73,7 +73,6 @@ def use_xxh3() -> None:
 
 def replica(args) -> None:
     from kvshare.connector import ConnectorConfig
-    from kvshare.engine.api import GenerationRequest, SamplingParams
     from kvshare.engine.config import EngineConfig
     from kvshare.engine.engine import Engine
     from kvshare.engine.pool_connector import PoolConnector
@@ -102,23 +101,11 @@ def replica(args) -> None:
                 measured += not job.get("warmup", False)
             prompt = document(job["length"], job["seed"], vocab) + document(QUESTIONS, job["question"], vocab)
             before = (stats.load_seconds, stats.load_failures, stats.corrupt_chunks)
-            first, done = [], []
-            t0 = time.perf_counter()
-
-            def on_event(event, first=first, done=done, t0=t0):
-                if event.token_id is not None and not first:
-                    first.append(time.perf_counter() - t0)
-                if event.finished:
-                    done.append(event)
-
-            engine.submit(GenerationRequest(job["id"], tuple(prompt), SamplingParams(max_tokens=1, ignore_eos=True)),
-                          on_event)
-            while not done:
-                time.sleep(0.001)
+            ttft, finished = first_token(engine, job["id"], prompt)
             flushed = time.perf_counter()
             engine.connector.core.flush(600)  # A's stores are committed before the next request and before B
-            row = dict(job, role=args.role, arm=arm, ttft_s=first[0] if first else None,
-                       error=done[0].error, pool_hit=done[0].usage.pool_hit_tokens,
+            row = dict(job, role=args.role, arm=arm, ttft_s=ttft,
+                       error=finished.error, pool_hit=finished.usage.pool_hit_tokens,
                        load_s=stats.load_seconds - before[0], load_failures=stats.load_failures - before[1],
                        corrupt_chunks=stats.corrupt_chunks - before[2], commit_wait_s=time.perf_counter() - flushed,
                        replica_ready_s=ready)
