@@ -37,11 +37,18 @@ def prompt_of(length: int, seed: int) -> list[int]:
     return [(seed * 7919 + i * 104729) % 1000 + 3 for i in range(length)]
 
 
-def test_cross_replica_hits_give_the_cache_off_tokens(engines):
+@pytest.mark.parametrize("host_hash, verify", [("numpy", True), ("compiled", True), ("compiled", False)])
+def test_cross_replica_hits_give_the_cache_off_tokens(engines, host_hash, verify, monkeypatch):
+    """Also with the host checksum's C loop (KVSHARE_HOST_HASH=compiled, built before the engines hash anything), and
+    with B not verifying (`--no-verify-checksums`): the answers are the cache-OFF ones either way."""
+    from kvshare.transfer import fused_hash
+
+    monkeypatch.setenv("KVSHARE_HOST_HASH", host_hash)
+    fused_hash.prepare()
     off, a, b = engines
     with start_pool("64MiB", page_size="64KiB") as (address, _):
         attach(a, address)
-        connector_b = attach(b, address)
+        connector_b = attach(b, address, verify_checksums=verify)
         # Lengths: partial tails (70, 129), an exact multiple (96: the last chunk must stay uncached for logits).
         for length in (70, 96, 129):
             prompt = prompt_of(length, seed=length)
