@@ -7,15 +7,53 @@ at offset `p % block_size`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from kvshare.engine import paged_attention as paged
 from kvshare.engine.kv_quant import UNIT, KVScales, from_cache, is_quantized, to_cache
 
 # Bound on the expanded K+V temporaries of one KV-head group during prefill attention (bytes). Groups are processed
 # one after the other, so the whole sequence's attention never materialises K/V for every query head at once.
 GROUP_KV_BUDGET = 1 << 30
+# Longest prefill tail (tokens after a prefix hit) given to the paged kernel: a short tail over a long context is
+# bound by reading the context, which the kernel reads once in place; a long tail is bound by its FLOPs, where the
+# gathered path's flash attention is the faster kernel and its gather is small beside them.
+PAGED_TAIL_MAX_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """Where one decode step's sequences read and write, the same for every layer. `slots`: (block ids, offsets) of
+    each new token's K/V. Attention reads either through `paged` (the kernel: device tensors only, so the step can be
+    a CUDA graph) or, with `paged` None, per sequence through `tables` and `lengths` (host ints)."""
+
+    slots: tuple[torch.Tensor, torch.Tensor]
+    paged: paged.PagedBatch | None = None
+    partition: int = 0
+    tables: list[torch.Tensor] | None = None
+    lengths: list[int] | None = None
+
+
+def decode_step(tables: list[torch.Tensor], positions: list[int], block_size: int,
+                partition: int | None = None) -> DecodeStep:
+    """An eager step's DecodeStep: sequence i's newest token at positions[i], its blocks tables[i] (device tensors).
+    With a `partition` attention reads through the paged kernel, else gathered per sequence."""
+    device = tables[0].device
+    slots = (torch.stack([table[p // block_size] for table, p in zip(tables, positions)]),
+             torch.tensor([p % block_size for p in positions], device=device))
+    if partition is None:
+        return DecodeStep(slots, tables=tables, lengths=[p + 1 for p in positions])
+    i32 = dict(dtype=torch.int32, device=device)
+    batch = paged.PagedBatch(
+        tables=torch.nn.utils.rnn.pad_sequence(tables, batch_first=True).to(torch.int32),
+        q_start=torch.arange(len(tables), **i32), q_len=torch.ones(len(tables), **i32),
+        kv_len=torch.tensor([p + 1 for p in positions], **i32), q_pos=torch.tensor(positions, **i32), max_q_len=1,
+        max_kv_len=max(positions) + 1)
+    return DecodeStep(slots, paged=batch, partition=partition)
 
 
 def slot_indices(block_table: torch.Tensor, start: int, end: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,12 +96,12 @@ def _expand(kv: torch.Tensor, queries_per_kv: int) -> torch.Tensor:
 
 
 def prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, start: int, scale: float,
-                      scales: KVScales = UNIT):
+                      scales: KVScales = UNIT, in_place: bool = False):
     """Causal attention of queries at positions [start, start + T) over K/V [0, start + T) read from the cache (an fp8
     cache dequantized to q's dtype with `scales`, one KV-head group at a time).
 
     q: (T, num_heads, D), roped; overwritten in place with the attention output, one KV-head group at a time, so the
-    only full-sequence buffer is q itself. Two forms, chosen by which is cheaper on an H200:
+    only full-sequence buffer is q itself. Three forms, chosen by which is cheaper on an H200:
     - square (the tail is at least as long as the cached context: no context, or a short prefix-cache hit before a
       long prompt): q is preceded by `start` zero rows whose outputs are dropped, so queries and keys both span
       [0, start + T) and the mask is the plain causal one, with each KV head expanded to its query heads - the form
@@ -74,8 +112,13 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.T
       which cost a 131k-token prompt after a 16-token prefix-cache hit 13 s more than the same prompt without it
       (two-GPU sessions, docs/results/h200x2); the square form's `start` extra rows cost less than that whenever
       start <= T.
+    - in place (`in_place`, the lower-right case on CUDA with Triton, tails of at most PAGED_TAIL_MAX_TOKENS): the
+      paged kernel (kvshare.engine.paged_attention) reads K/V through the block table: no gathered context.
     """
     t, num_heads, d = q.shape
+    if in_place and start > t and t <= PAGED_TAIL_MAX_TOKENS:
+        paged.tail_attention(q, cache, block_table, start, scale, scales)
+        return
     total = start + t
     num_kv_heads = cache.shape[3]
     per_kv = num_heads // num_kv_heads
@@ -98,10 +141,13 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.T
         q[:, g0 * per_kv : g1 * per_kv] = out[0].transpose(0, 1)
 
 
-def decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: list[torch.Tensor], lengths: list[int],
-                     scale: float, scales: KVScales = UNIT) -> torch.Tensor:
-    """One query per sequence (its newest token, at position length - 1) over that sequence's whole K/V, per KV-head
-    group as in prefill; q: (B, num_heads, D), overwritten with the output and returned."""
-    for i, (table, length) in enumerate(zip(block_tables, lengths)):
+def decode_attention(q: torch.Tensor, cache: torch.Tensor, step: DecodeStep, scale: float,
+                     scales: KVScales = UNIT) -> torch.Tensor:
+    """One query per sequence (its newest token, at position length - 1) over that sequence's whole K/V: through the
+    paged kernel where the step carries its batch, else gathered per sequence as in prefill. q: (B, num_heads, D),
+    overwritten with the output and returned."""
+    if step.paged is not None:
+        return paged.attend(q, cache, step.paged, step.partition, scale, scales)
+    for i, (table, length) in enumerate(zip(step.tables, step.lengths)):
         prefill_attention(q[i : i + 1], cache, table, length - 1, scale, scales)
     return q

@@ -11,6 +11,7 @@ from kvshare.engine.kv_quant import kv_cache_dtype
 from kvshare.hf.config import DTYPE_BYTES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # as DTYPE_BYTES
+ATTENTION_BACKENDS = ("auto", "triton", "torch")  # triton: the paged kernel (kvshare.engine.paged_attention)
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -30,6 +31,8 @@ class EngineConfig:
     served_model_name: str | None = None
     model_id: str = ""  # added to the model identity (e.g. a repository revision), never instead of the weights' hash
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3 with per-tensor scales
+    attention_backend: str = "auto"  # "auto": the paged kernel on CUDA with Triton, else "torch" (gather + SDPA)
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps
 
     def __post_init__(self):
         if self.load_format not in ("auto", "dummy"):
@@ -39,6 +42,9 @@ class EngineConfig:
         if self.block_size <= 0 or self.prefill_chunk <= 0:
             raise ValueError("block_size and prefill_chunk must be positive")
         kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype)  # raises, naming the accepted values
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention backend {self.attention_backend!r} unknown: use one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
 
     @property
     def torch_kv_dtype(self) -> torch.dtype:

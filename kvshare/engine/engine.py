@@ -45,11 +45,10 @@ class Engine:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         self.runner = ModelRunner(config, self.model_config)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.block_manager = BlockManager(self.runner.usable_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs)
         self.model_name = config.served_model_name or Path(config.model).name
-        self.max_model_len = min(config.max_model_len or self.model_config.max_position,
-                                 self.runner.num_blocks * config.block_size)
+        self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = eos_token_ids(config.model)
         self.model_fingerprint = self.runner.model_fingerprint  # covers the weights' bytes (kvshare.identity)
         self.pool: PoolHooks | None = None

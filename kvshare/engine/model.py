@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvshare.engine.attention import decode_attention, prefill_attention, slot_indices, write_kv
+from kvshare.engine.attention import DecodeStep, decode_attention, prefill_attention, slot_indices, write_kv
 from kvshare.engine.kv_quant import UNIT
 from kvshare.hf.config import ModelConfig, RopeConfig
 
@@ -59,13 +59,21 @@ class Rotary:
         self.cos = self.sin = torch.empty(0, config.head_dim, device=device, dtype=dtype)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) of shape (T, 1, D) for the given positions."""
-        needed = int(positions.max()) + 1
-        if needed > self.cos.shape[0]:
-            n = max(needed, 2 * self.cos.shape[0])
+        """(cos, sin) of shape (T, 1, D) for the given positions (the tables grown first if needed)."""
+        self.ensure(int(positions.max()) + 1)
+        return self.lookup(positions)
+
+    def ensure(self, n: int) -> None:
+        """Tables for positions [0, n) at least. Grows by replacing the tables: a CUDA graph that read the old ones
+        must be captured only after ensure(max_model_len) (kvshare.engine.cuda_graphs), so they never grow again."""
+        if n > self.cos.shape[0]:
+            n = max(n, 2 * self.cos.shape[0])
             freqs = torch.outer(torch.arange(n, device=self.inv_freq.device, dtype=torch.float32), self.inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
             self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of shape (T, 1, D) for positions already covered by ensure(): no host synchronisation."""
         return self.cos[positions][:, None], self.sin[positions][:, None]
 
 
@@ -120,8 +128,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def prefill(self, h, cache, block_table, start, cos, sin, chunk):
-        """Advance hidden states h (T, hidden) of positions [start, start+T) through this layer, in place."""
+    def prefill(self, h, cache, block_table, start, cos, sin, chunk, in_place=False):
+        """Advance hidden states h (T, hidden) of positions [start, start+T) through this layer, in place; `in_place`:
+        a tail's attention may read the cache through the paged kernel (kvshare.engine.attention)."""
         attn, t = self.self_attn, h.shape[0]
         blocks, offsets = slot_indices(block_table, start, start + t, cache.shape[2])
         q = h.new_empty(t, attn.num_heads, attn.head_dim)  # reused for the attention output
@@ -129,20 +138,20 @@ class DecoderLayer(nn.Module):
             e = min(t, s + chunk)
             q[s:e], k, v = attn.qkv(self.input_layernorm(h[s:e]), cos[s:e], sin[s:e])
             write_kv(cache, blocks[s:e], offsets[s:e], k, v, attn.kv_scales)
-        prefill_attention(q, cache, block_table, start, attn.scale, attn.kv_scales)
+        prefill_attention(q, cache, block_table, start, attn.scale, attn.kv_scales, in_place)
         q = q.view(t, -1)
         for s in range(0, t, chunk):
             e = min(t, s + chunk)
             h[s:e] += attn.o_proj(q[s:e])
             h[s:e] += self.mlp(self.post_attention_layernorm(h[s:e]))
 
-    def decode(self, h, cache, block_tables, positions, cos, sin, slots):
-        """One new token per sequence: h (B, hidden) at `positions`, whose K/V go to `slots` (block ids, offsets: the
-        same in every layer); each sequence's K/V spans [0, position]."""
+    def decode(self, h, cache, step: DecodeStep, cos, sin):
+        """One new token per sequence: h (B, hidden), whose K/V go to `step.slots` (the same in every layer); each
+        sequence's K/V spans [0, its position]."""
         attn = self.self_attn
         q, k, v = attn.qkv(self.input_layernorm(h), cos, sin)
-        write_kv(cache, *slots, k, v, attn.kv_scales)
-        out = decode_attention(q, cache, block_tables, [p + 1 for p in positions], attn.scale, attn.kv_scales)
+        write_kv(cache, *step.slots, k, v, attn.kv_scales)
+        out = decode_attention(q, cache, step, attn.scale, attn.kv_scales)
         h = h + attn.o_proj(out.flatten(1))
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -172,27 +181,23 @@ class CausalLM(nn.Module):
         return F.linear(self.model.norm(h), weight).float()
 
     @torch.inference_mode()
-    def prefill(self, token_ids, start, kv_caches, block_table, rotary: Rotary, chunk: int) -> torch.Tensor:
+    def prefill(self, token_ids, start, kv_caches, block_table, rotary: Rotary, chunk: int,
+                in_place: bool = False) -> torch.Tensor:
         """Compute K/V of `token_ids` at positions [start, start+T) into the cache (earlier positions must already be
-        there) and return the logits of the last position (1, vocab)."""
+        there) and return the logits of the last position (1, vocab). `in_place`: see DecoderLayer.prefill."""
         h = self.model.embed_tokens(token_ids)  # (T, hidden), updated in place layer by layer
         cos, sin = rotary.tables(torch.arange(start, start + len(token_ids), device=token_ids.device))
         for layer, cache in zip(self.model.layers, kv_caches):
-            layer.prefill(h, cache, block_table, start, cos, sin, chunk)
+            layer.prefill(h, cache, block_table, start, cos, sin, chunk, in_place)
         return self.logits(h[-1:])
 
     @torch.inference_mode()
-    def decode(self, token_ids, positions: list[int], kv_caches, block_tables, rotary: Rotary) -> torch.Tensor:
-        """One step for B sequences: token_ids (B,) at `positions`; returns logits (B, vocab)."""
+    def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_caches, step: DecodeStep,
+               rotary: Rotary) -> torch.Tensor:
+        """One step for B sequences: token_ids (B,) at positions (B,), both device tensors; returns logits (B, vocab).
+        Makes no host synchronisation when rotary covers the positions already (CUDA graphs capture this)."""
         h = self.model.embed_tokens(token_ids)
-        device = token_ids.device
-        cos, sin = rotary.tables(torch.tensor(positions, device=device))
-        # Where each new token's K/V goes, computed once per step, not once per layer (64 small host-to-device
-        # copies a token). Measured on an H200 afterwards: decode stayed at 50-75 ms/token (docs/results/h200x2,
-        # decode-probe), so those copies were not what holds decode back; the host time is elsewhere.
-        block_size = kv_caches[0].shape[2]
-        slots = (torch.stack([table[p // block_size] for table, p in zip(block_tables, positions)]),
-                 torch.tensor([p % block_size for p in positions], device=device))
+        cos, sin = rotary.lookup(positions)
         for layer, cache in zip(self.model.layers, kv_caches):
-            h = layer.decode(h, cache, block_tables, positions, cos, sin, slots)
+            h = layer.decode(h, cache, step, cos, sin)
         return self.logits(h)

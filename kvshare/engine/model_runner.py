@@ -6,7 +6,10 @@ import logging
 
 import torch
 
+from kvshare.engine import paged_attention
+from kvshare.engine.attention import decode_step
 from kvshare.engine.config import EngineConfig
+from kvshare.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from kvshare.engine.model import Rotary
 from kvshare.engine.sequence import Sequence
 from kvshare.engine.weights import load_model
@@ -41,6 +44,28 @@ class ModelRunner:
         self.kv_caches = list(whole.unbind(0))
         log.info("KV cache: %d blocks of %d tokens (%s) on %s", self.num_blocks, config.block_size,
                  format_size(self.num_blocks * self.block_bytes), self.device)
+        self.paged = self._paged_attention()
+        use_graphs = self.paged and self.device.type == "cuda" and not config.enforce_eager and self.num_blocks > 1
+        self.usable_blocks = self.num_blocks - 1 if use_graphs else self.num_blocks  # the last: the graphs' scratch
+        self.max_model_len = min(config.max_model_len or model_config.max_position,
+                                 self.usable_blocks * config.block_size)
+        self.decode_partition = paged_attention.decode_partition(self.max_model_len)
+        self.graphs: DecodeGraphs | None = None
+        if use_graphs:
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.rotary,
+                                       sizes=capture_sizes(config.max_num_seqs), max_model_len=self.max_model_len,
+                                       block_size=config.block_size, scratch_block=self.num_blocks - 1,
+                                       partition=self.decode_partition, device=self.device)
+
+    def _paged_attention(self) -> bool:
+        """Whether attention reads the cache in place (the Triton kernel) instead of gathering it."""
+        backend = self.config.attention_backend
+        if backend == "torch" or (backend == "auto" and not paged_attention.available(self.device)):
+            return False
+        if not paged_attention.available(self.device):
+            raise ValueError("--attention-backend triton needs a CUDA device and Triton (torch's CUDA builds ship it), "
+                             "or TRITON_INTERPRET=1 on a CPU")
+        return True
 
     @property
     def block_bytes(self) -> int:
@@ -78,10 +103,16 @@ class ModelRunner:
         tokens = torch.tensor(seq.token_ids[seq.num_computed :], device=self.device)
         table = torch.tensor(seq.block_table, device=self.device)
         return self.model.prefill(tokens, seq.num_computed, self.kv_caches, table, self.rotary,
-                                  self.config.prefill_chunk)
+                                  self.config.prefill_chunk, in_place=self.paged)
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One step for each sequence's newest token; logits (B, vocab)."""
-        tokens = torch.tensor([s.token_ids[-1] for s in seqs], device=self.device)
+        tokens = [s.token_ids[-1] for s in seqs]
+        positions = [s.num_tokens - 1 for s in seqs]
+        if self.graphs and self.graphs.fits(len(seqs)):
+            return self.graphs.run(tokens, positions, [s.block_table for s in seqs])
+        self.rotary.ensure(max(positions) + 1)
         tables = [torch.tensor(s.block_table, device=self.device) for s in seqs]
-        return self.model.decode(tokens, [s.num_tokens - 1 for s in seqs], self.kv_caches, tables, self.rotary)
+        step = decode_step(tables, positions, self.config.block_size, self.decode_partition if self.paged else None)
+        return self.model.decode(torch.tensor(tokens, device=self.device), torch.tensor(positions, device=self.device),
+                                 self.kv_caches, step, self.rotary)

@@ -39,6 +39,13 @@ def register(cli) -> None:
                        help="the KV cache's dtype: auto = the model's (--dtype); fp8 = e4m3 with per-tensor scales "
                             "(the checkpoint's self_attn.k_scale/v_scale, else 1.0): half the bytes to keep and move; "
                             "fp8 and other replicas never share pool chunks (default: %(default)s)")
+    serve.add_argument("--attention-backend", choices=("auto", "triton", "torch"), default="auto",
+                       help="auto = triton on CUDA (a paged-attention kernel reading the KV cache in place: prefill "
+                            "tails after a prefix hit and decode), torch elsewhere (each context gathered, then "
+                            "SDPA) (default: %(default)s)")
+    serve.add_argument("--enforce-eager", action="store_true",
+                       help="CUDA: run decode steps eagerly instead of as CUDA graphs captured at start (one per "
+                            "batch size 1, 2, 4, ... up to --max-num-seqs; they need the triton backend)")
     serve.add_argument("--register-piece", default="16GiB",
                        help="CUDA: register the pool's arena for DMA in pieces of at most this size, in the "
                             "background; a transfer waits only for its own pieces (default: %(default)s)")
@@ -92,7 +99,8 @@ def engine_config(args: argparse.Namespace):
         kv_cache_memory=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
         max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk, max_num_seqs=args.max_num_seqs,
         seed=args.seed, served_model_name=args.served_model_name, model_id=args.model_id,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
     )
 
 

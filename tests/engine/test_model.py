@@ -5,6 +5,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from kvshare.engine.attention import decode_step  # noqa: E402
 from kvshare.engine.model import Rotary  # noqa: E402
 from kvshare.engine.weights import load_model  # noqa: E402
 
@@ -40,6 +41,13 @@ def make_cache(config, num_blocks=64, block_size=4):
             for _ in range(config.num_layers)]
 
 
+def decode(model, tokens, positions, caches, tables, rotary):
+    """One eager decode step through the gathered path."""
+    rotary.ensure(max(positions) + 1)
+    step = decode_step(tables, positions, caches[0].shape[2])
+    return model.decode(tokens, torch.tensor(positions), caches, step, rotary)
+
+
 @pytest.mark.parametrize("kind", list(ARCHS))
 def test_logits_match_transformers(kind, tmp_path):
     reference = hf_model(kind, tmp_path)
@@ -62,7 +70,7 @@ def test_logits_match_transformers(kind, tmp_path):
     second = model.prefill(tokens[13:24], 13, caches, table, rotary, chunk=4)
     torch.testing.assert_close(second[0], expected[23], atol=1e-4, rtol=1e-4)
     for p in range(24, 37):
-        step = model.decode(tokens[p : p + 1], [p], caches, [table], rotary)
+        step = decode(model, tokens[p : p + 1], [p], caches, [table], rotary)
         torch.testing.assert_close(step[0], expected[p], atol=1e-4, rtol=1e-4)
 
 
@@ -75,7 +83,7 @@ def test_batched_decode_matches_single(tmp_path):
     prompts = [torch.arange(10, 19), torch.arange(40, 45)]
     for prompt, table in zip(prompts, tables):
         model.prefill(prompt, 0, caches, table, rotary, chunk=4)
-    batched = model.decode(torch.tensor([7, 8]), [9, 5], caches, tables, rotary)
-    singles = [model.decode(torch.tensor([t]), [p], caches, [tb], rotary)[0]
+    batched = decode(model, torch.tensor([7, 8]), [9, 5], caches, tables, rotary)
+    singles = [decode(model, torch.tensor([t]), [p], caches, [tb], rotary)[0]
                for t, p, tb in ((7, 9, tables[0]), (8, 5, tables[1]))]
     torch.testing.assert_close(batched, torch.stack(singles), atol=1e-5, rtol=1e-5)
