@@ -95,8 +95,17 @@ def _expand(kv: torch.Tensor, queries_per_kv: int) -> torch.Tensor:
     return kv[:, :, None, :].expand(s, h, queries_per_kv, d).reshape(s, h * queries_per_kv, d).transpose(0, 1)[None]
 
 
+def tail_plan(block_table: torch.Tensor, start: int, t: int, num_heads: int, cache: torch.Tensor,
+              in_place: bool) -> paged.TailPlan | None:
+    """The paged kernel's plan for a prefill of t tokens after `start` cached ones, where it serves (in place allowed,
+    the lower-right case, at most PAGED_TAIL_MAX_TOKENS); None: prefill_attention gathers."""
+    if not in_place or start <= t or t > PAGED_TAIL_MAX_TOKENS:
+        return None
+    return paged.plan_tail(block_table, start, t, num_heads, cache.shape[3])
+
+
 def prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, start: int, scale: float,
-                      scales: KVScales = UNIT, in_place: bool = False):
+                      scales: KVScales = UNIT, plan: paged.TailPlan | None = None):
     """Causal attention of queries at positions [start, start + T) over K/V [0, start + T) read from the cache (an fp8
     cache dequantized to q's dtype with `scales`, one KV-head group at a time).
 
@@ -112,13 +121,14 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.T
       which cost a 131k-token prompt after a 16-token prefix-cache hit 13 s more than the same prompt without it
       (two-GPU sessions, docs/results/h200x2); the square form's `start` extra rows cost less than that whenever
       start <= T.
-    - in place (`in_place`, the lower-right case on CUDA with Triton, tails of at most PAGED_TAIL_MAX_TOKENS): the
-      paged kernel (kvshare.engine.paged_attention) reads K/V through the block table: no gathered context.
+    - in place (a `plan` from tail_plan: the lower-right case on CUDA with Triton, tails of at most
+      PAGED_TAIL_MAX_TOKENS): the paged kernel (kvshare.engine.paged_attention) reads K/V through the block table,
+      no gathered context.
     """
-    t, num_heads, d = q.shape
-    if in_place and start > t and t <= PAGED_TAIL_MAX_TOKENS:
-        paged.tail_attention(q, cache, block_table, start, scale, scales)
+    if plan is not None:
+        paged.tail_attention(q, cache, block_table, start, scale, scales, plan=plan)
         return
+    t, num_heads, d = q.shape
     total = start + t
     num_kv_heads = cache.shape[3]
     per_kv = num_heads // num_kv_heads

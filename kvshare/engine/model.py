@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvshare.engine.attention import DecodeStep, decode_attention, prefill_attention, slot_indices, write_kv
+from kvshare.engine.attention import DecodeStep, decode_attention, prefill_attention, slot_indices, tail_plan, write_kv
 from kvshare.engine.kv_quant import UNIT
 from kvshare.hf.config import ModelConfig, RopeConfig
 
@@ -98,12 +98,37 @@ class Attention(nn.Module):
         self.qk_norm = c.qk_norm
         self.kv_scales = UNIT  # an fp8 cache's per-tensor scales (the loader sets the checkpoint's; kv_quant.py)
 
+    def fuse_qkv(self) -> None:
+        """Store q_proj, k_proj and v_proj's weights (and biases) as one tensor, the three parameters becoming views
+        of it, so qkv() runs one matrix product instead of three: at batch 1 on an H200 the 1024-row k and v products
+        read their weights at ~0.45 TB/s, the fused one at ~3.1 TB/s (run 19: 4.1 -> 1.5 ms a token over 64 layers).
+        Names and values are unchanged (state_dict, identity)."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        for name in ("weight", "bias") if self.q_proj.bias is not None else ("weight",):
+            fused = torch.cat([getattr(p, name) for p in projections])
+            offset = 0
+            for p in projections:
+                size = getattr(p, name).shape[0]
+                setattr(p, name, nn.Parameter(fused[offset : offset + size], requires_grad=False))
+                offset += size
+            setattr(self, f"qkv_{name}", fused)
+        if self.q_proj.bias is None:
+            self.qkv_bias = None
+
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x (T, hidden) -> roped q (T, heads, D), roped k (T, kv_heads, D), v (T, kv_heads, D)."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "qkv_weight"):
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(
+                [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                 self.num_kv_heads * self.head_dim], dim=-1)
+            q = q.reshape(t, self.num_heads, self.head_dim)
+            k = k.reshape(t, self.num_kv_heads, self.head_dim)
+            v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        else:
+            q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+            k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return _rope(q, cos, sin), _rope(k, cos, sin), v
@@ -128,9 +153,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def prefill(self, h, cache, block_table, start, cos, sin, chunk, in_place=False):
-        """Advance hidden states h (T, hidden) of positions [start, start+T) through this layer, in place; `in_place`:
-        a tail's attention may read the cache through the paged kernel (kvshare.engine.attention)."""
+    def prefill(self, h, cache, block_table, start, cos, sin, chunk, plan=None):
+        """Advance hidden states h (T, hidden) of positions [start, start+T) through this layer, in place; `plan`: the
+        tail's attention reads the cache through the paged kernel (kvshare.engine.attention.tail_plan)."""
         attn, t = self.self_attn, h.shape[0]
         blocks, offsets = slot_indices(block_table, start, start + t, cache.shape[2])
         q = h.new_empty(t, attn.num_heads, attn.head_dim)  # reused for the attention output
@@ -138,7 +163,7 @@ class DecoderLayer(nn.Module):
             e = min(t, s + chunk)
             q[s:e], k, v = attn.qkv(self.input_layernorm(h[s:e]), cos[s:e], sin[s:e])
             write_kv(cache, blocks[s:e], offsets[s:e], k, v, attn.kv_scales)
-        prefill_attention(q, cache, block_table, start, attn.scale, attn.kv_scales, in_place)
+        prefill_attention(q, cache, block_table, start, attn.scale, attn.kv_scales, plan)
         q = q.view(t, -1)
         for s in range(0, t, chunk):
             e = min(t, s + chunk)
@@ -187,8 +212,9 @@ class CausalLM(nn.Module):
         there) and return the logits of the last position (1, vocab). `in_place`: see DecoderLayer.prefill."""
         h = self.model.embed_tokens(token_ids)  # (T, hidden), updated in place layer by layer
         cos, sin = rotary.tables(torch.arange(start, start + len(token_ids), device=token_ids.device))
+        plan = tail_plan(block_table, start, len(token_ids), self.config.num_heads, kv_caches[0], in_place)
         for layer, cache in zip(self.model.layers, kv_caches):
-            layer.prefill(h, cache, block_table, start, cos, sin, chunk, in_place)
+            layer.prefill(h, cache, block_table, start, cos, sin, chunk, plan)
         return self.logits(h[-1:])
 
     @torch.inference_mode()

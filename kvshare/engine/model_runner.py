@@ -51,6 +51,8 @@ class ModelRunner:
                                  self.usable_blocks * config.block_size)
         self.decode_partition = paged_attention.decode_partition(self.max_model_len)
         self.graphs: DecodeGraphs | None = None
+        if self.paged:
+            paged_attention.warm_up(self.kv_caches[0], model_config.num_heads, self.dtype)
         if use_graphs:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.rotary,
                                        sizes=capture_sizes(config.max_num_seqs), max_model_len=self.max_model_len,

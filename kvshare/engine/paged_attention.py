@@ -133,26 +133,32 @@ def attend(q: torch.Tensor, cache_: torch.Tensor, batch: PagedBatch, partition: 
         q, store, batch.tables, batch.q_start, batch.q_len, batch.kv_len, acc, m, l_, out,
         float(scales.k), float(scales.v), scale * LOG2E,
         q.stride(0), batch.tables.stride(0), cache_.stride(0), cache_.stride(1), cache_.stride(2),
-        rows * num_heads * head_dim, rows * num_heads, num_heads, splits,
-        PARTITION=partition, GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        rows * num_heads * head_dim, rows * num_heads, num_heads, splits, partition,
+        GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         D_PAD=triton.next_power_of_2(head_dim), BLOCK_M=row_block, BLOCK_N=config.block_n, FP8=is_quantized(cache_),
         DIRECT=direct, IEEE=q.dtype == torch.float32, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if not direct:
         combine[(rows, num_heads)](
             acc, m, l_, batch.q_pos, out, rows * num_heads * head_dim, rows * num_heads, out.stride(0), num_heads,
-            PARTITION=partition, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), num_warps=4,
+            partition, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), num_warps=4,
         )
     return out
 
 
-def tail_attention(q: torch.Tensor, cache_: torch.Tensor, block_table: torch.Tensor, start: int, scale: float,
-                   scales: KVScales = UNIT, config: KernelConfig | None = None) -> None:
-    """Causal attention of q (T, num_heads, D; positions [start, start + T)) over K/V [0, start + T) read in place
-    from the cache; q is overwritten with the output (kvshare.engine.attention.prefill_attention's contract)."""
-    t, num_heads, _ = q.shape
-    kv_heads = cache_.shape[3]
-    device = q.device
+@dataclass(frozen=True)
+class TailPlan:
+    """One prefill tail's call, made once per forward and used by every layer (the same positions and blocks)."""
+
+    batch: PagedBatch
+    partition: int
+    config: KernelConfig
+
+
+def plan_tail(block_table: torch.Tensor, start: int, t: int, num_heads: int, kv_heads: int,
+              config: KernelConfig | None = None) -> TailPlan:
+    """The plan for queries at positions [start, start + t) over K/V [0, start + t) through `block_table`."""
+    device = block_table.device
     total = start + t
     batch = PagedBatch(
         tables=block_table.to(torch.int32)[None], q_start=torch.zeros(1, dtype=torch.int32, device=device),
@@ -162,7 +168,25 @@ def tail_attention(q: torch.Tensor, cache_: torch.Tensor, block_table: torch.Ten
     rows = t * (num_heads // kv_heads)
     config = config or default_config(rows)
     partition = tail_partition(rows, kv_heads, total, config.row_block, 2 * _multiprocessors(device))
-    attend(q, cache_, batch, partition, scale, scales, config=config)
+    return TailPlan(batch, partition, config)
+
+
+def tail_attention(q: torch.Tensor, cache_: torch.Tensor, block_table: torch.Tensor, start: int, scale: float,
+                   scales: KVScales = UNIT, config: KernelConfig | None = None, plan: TailPlan | None = None) -> None:
+    """Causal attention of q (T, num_heads, D; positions [start, start + T)) over K/V [0, start + T) read in place
+    from the cache; q is overwritten with the output (kvshare.engine.attention.prefill_attention's contract)."""
+    plan = plan or plan_tail(block_table, start, q.shape[0], q.shape[1], cache_.shape[3], config)
+    attend(q, cache_, plan.batch, plan.partition, scale, scales, config=plan.config)
+
+
+def warm_up(cache_: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
+    """Compile every variant a replica runs (one or several partitions; 16 or 64 rows a program) before the first
+    request, instead of inside it (Triton compiles a variant at its first launch: ~1 s each on an H200, run 19's
+    first 128k pool hit). Reads block 0 of `cache_`; writes nothing of it."""
+    table = torch.zeros(-(-1087 // cache_.shape[2]), dtype=torch.int32, device=cache_.device)
+    for t, start in ((1, 99), (1, 1023), (64, 100), (64, 1023)):
+        q = torch.zeros(t, num_heads, cache_.shape[4], dtype=dtype, device=cache_.device)
+        tail_attention(q, cache_, table, start, 1.0)
 
 
 def _multiprocessors(device: torch.device) -> int:
@@ -175,7 +199,10 @@ def _kernels():
     Triton's interpreter, on CPU tensors (how the tests check them on a machine with no GPU)."""
     if triton is None:
         raise RuntimeError("paged attention needs Triton (shipped with torch's CUDA builds)")
-    return triton.jit(_partial), triton.jit(_combine)
+    # Runtime sizes are not specialised on (Triton would compile a variant per value divisible by 16 or equal to 1).
+    dynamic = ["k_scale", "v_scale", "qk_scale", "acc_split_stride", "ml_split_stride", "splits", "partition"]
+    return (triton.jit(_partial, do_not_specialize=dynamic),
+            triton.jit(_combine, do_not_specialize=["acc_split_stride", "ml_split_stride", "partition"]))
 
 
 if triton is not None:
@@ -183,8 +210,8 @@ if triton is not None:
     def _partial(Q, Cache, Tables, QStart, QLen, KvLen, Acc, M, L, Out,
                  k_scale, v_scale, qk_scale,
                  q_row_stride, table_stride, block_stride, kv_stride, token_stride,
-                 acc_split_stride, ml_split_stride, num_heads, splits,
-                 PARTITION: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 acc_split_stride, ml_split_stride, num_heads, splits, partition,
+                 GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                  D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
                  DIRECT: tl.constexpr, IEEE: tl.constexpr):
         """One (row block, KV head, sequence x partition): online softmax over the partition's keys up to the block's
@@ -199,10 +226,10 @@ if triton is not None:
         head = kv_head * GROUP + rows % GROUP
         pos = first_pos + token
         last_pos = first_pos + tl.minimum((row_block * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
-        key_lo = split * PARTITION
+        key_lo = split * partition
         # Nothing to do past the sequence's rows or past the block's last position: no row's combine reads it.
         if (row_block * BLOCK_M < q_len * GROUP) & (key_lo <= last_pos):
-            key_hi = tl.minimum(key_lo + PARTITION, last_pos + 1)
+            key_hi = tl.minimum(key_lo + partition, last_pos + 1)
             d = tl.arange(0, D_PAD)
             d_ok = d < HEAD_DIM
             q_row = (tl.load(QStart + seq) + token).to(tl.int64)
@@ -249,11 +276,11 @@ if triton is not None:
                 a_ptrs = Acc + split.to(tl.int64) * acc_split_stride + (q_row * num_heads + head)[:, None] * HEAD_DIM
                 tl.store(a_ptrs + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
 
-    def _combine(Acc, M, L, QPos, Out, acc_split_stride, ml_split_stride, out_row_stride, num_heads,
-                 PARTITION: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    def _combine(Acc, M, L, QPos, Out, acc_split_stride, ml_split_stride, out_row_stride, num_heads, partition,
+                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
         """One (query row, head): its partitions [0, pos // PARTITION] combined in order."""
         row, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
-        parts = tl.load(QPos + row) // PARTITION + 1
+        parts = tl.load(QPos + row) // partition + 1
         cell = row * num_heads + head
         m = tl.load(M + cell)  # partition 0 always holds key 0, visible to every row
         for s in range(1, parts):

@@ -95,8 +95,11 @@ def load_model(model_dir: str | Path, load_format: str, device, dtype, seed: int
         raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {missing[:3]}: "
                          "is config.json the checkpoint's own?")
     model.load_state_dict(state, assign=True, strict=True)
+    del state  # the fusion below frees each layer's three projections as it goes
     if load_format != "dummy":
         set_kv_scales(model, scales)
+    for layer in model.model.layers:
+        layer.self_attn.fuse_qkv()
     return LoadedModel(model.eval().requires_grad_(False), model_fingerprint(config_bytes, weights, model_id))
 
 
