@@ -166,10 +166,10 @@ def orchestrate(ns) -> None:
         ns.address = address
         for arm in ns.arms.split(","):
             spawn("replica", ns, clock, 40, script=__file__, role="A", arm=arm,
-                  jobs=jobs_file([ns.length], [3], question=10, warmup=ns.warmup))
+                  jobs=jobs_file([ns.length], [ns.docs], question=10, warmup=ns.warmup))
             spawn("profiled", ns, clock, 20, script=__file__, rows=out / "phases.jsonl", arm=arm, settle=ns.settle,
                   trace=int(ns.trace), plain=int(ns.plain),
-                  jobs=jobs_file([ns.length], [3], question=20, warmup=ns.warmup))
+                  jobs=jobs_file([ns.length], [ns.docs], question=20, warmup=ns.warmup))
     summarize(out)
 
 
@@ -212,6 +212,7 @@ def main() -> None:
     run.add_argument("--trace", action="store_true", help="also write the profiled request's chrome trace (gzip)")
     run.add_argument("--plain", action="store_true", help="B times TTFT only: no phase timers, no profile")
     run.add_argument("--arms", default="fp8,bf16")
+    run.add_argument("--docs", type=int, default=3, help="documents A stores and B loads, per arm")
     for name in ("replica", "profiled"):
         child = sub.add_parser(name)
         for flag in ("--pool", "--rows", "--model", "--device", "--role", "--arm", "--jobs"):

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvshare.engine import fused_ops
 from kvshare.engine.attention import DecodeStep, decode_attention, prefill_attention, slot_indices, tail_plan, write_kv
 from kvshare.engine.kv_quant import UNIT
 from kvshare.hf.config import ModelConfig, RopeConfig
@@ -24,8 +25,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size))
         self.eps = eps
+        self.fused = False  # one Triton kernel (kvshare.engine.fused_ops) instead of torch's seven
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return fused_ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         # Normalise in fp32 and cast back before the weight, as the reference implementations do.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -96,6 +100,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.qk_norm = c.qk_norm
+        self.fused = False  # rotary through kvshare.engine.fused_ops (CausalLM.use_fused_ops)
         self.kv_scales = UNIT  # an fp8 cache's per-tensor scales (the loader sets the checkpoint's; kv_quant.py)
 
     def fuse_qkv(self) -> None:
@@ -131,7 +136,17 @@ class Attention(nn.Module):
             v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.fused:  # in place: q and k are this call's own tensors (views of the product, or the norms' outputs)
+            fused_ops.rope_(q, k, cos, sin)
+            return q, k, v
         return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+    def write_kv(self, cache, blocks, offsets, k, v) -> None:
+        """k, v of the new tokens into their cache slots (quantized if the cache is fp8)."""
+        if self.fused:
+            fused_ops.write_kv(cache, blocks, offsets, k, v, self.kv_scales.k, self.kv_scales.v)
+        else:
+            write_kv(cache, blocks, offsets, k, v, self.kv_scales)
 
 
 class MLP(nn.Module):
@@ -162,7 +177,7 @@ class DecoderLayer(nn.Module):
         for s in range(0, t, chunk):
             e = min(t, s + chunk)
             q[s:e], k, v = attn.qkv(self.input_layernorm(h[s:e]), cos[s:e], sin[s:e])
-            write_kv(cache, blocks[s:e], offsets[s:e], k, v, attn.kv_scales)
+            attn.write_kv(cache, blocks[s:e], offsets[s:e], k, v)
         prefill_attention(q, cache, block_table, start, attn.scale, attn.kv_scales, plan)
         q = q.view(t, -1)
         for s in range(0, t, chunk):
@@ -175,7 +190,7 @@ class DecoderLayer(nn.Module):
         sequence's K/V spans [0, its position]."""
         attn = self.self_attn
         q, k, v = attn.qkv(self.input_layernorm(h), cos, sin)
-        write_kv(cache, *step.slots, k, v, attn.kv_scales)
+        attn.write_kv(cache, *step.slots, k, v)
         out = decode_attention(q, cache, step, attn.scale, attn.kv_scales)
         h = h + attn.o_proj(out.flatten(1))
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -199,6 +214,12 @@ class CausalLM(nn.Module):
         self.model = LlamaModel(config)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def use_fused_ops(self) -> None:
+        """Norms, rotary and K/V writes through kvshare.engine.fused_ops from now on (where the paged kernel runs)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention)):
+                module.fused = True
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Next-token logits (fp32) of the hidden states h (N, hidden)."""

@@ -52,6 +52,7 @@ class ModelRunner:
         self.decode_partition = paged_attention.decode_partition(self.max_model_len)
         self.graphs: DecodeGraphs | None = None
         if self.paged:
+            self.model.use_fused_ops()
             paged_attention.warm_up(self.kv_caches[0], model_config.num_heads, self.dtype)
         if use_graphs:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.rotary,
