@@ -157,6 +157,18 @@ def block_hash(parent: int | None, token_ids: Sequence[int]) -> int:
     return xxhash.xxh3_64_intdigest(prefix + token_bytes(list(token_ids)))
 
 
+def block_hashes(parent: int | None, token_ids: Sequence[int], block_size: int) -> list[int]:
+    """block_hash of each full block of token_ids in turn, chained from `parent` (the hash before the first block):
+    the same values as calling block_hash block by block, with the ids converted to bytes once (a 128k-token prompt:
+    8,192 blocks)."""
+    data, step, hashes = token_bytes(token_ids), 4 * block_size, []
+    for offset in range(0, len(data) - step + 1, step):
+        prefix = b"" if parent is None else parent.to_bytes(8, "little")
+        parent = xxhash.xxh3_64_intdigest(prefix + data[offset : offset + step])
+        hashes.append(parent)
+    return hashes
+
+
 def block_chain_root(salt: str) -> int | None:
     """The parent of a sequence's first block: tenants with different cache salts never share local blocks either
     (a shared block would leak, through timing, that another tenant sent the same prefix)."""

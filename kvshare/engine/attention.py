@@ -19,10 +19,12 @@ from kvshare.engine.kv_quant import UNIT, KVScales, from_cache, is_quantized, to
 # Bound on the expanded K+V temporaries of one KV-head group during prefill attention (bytes). Groups are processed
 # one after the other, so the whole sequence's attention never materialises K/V for every query head at once.
 GROUP_KV_BUDGET = 1 << 30
-# Longest prefill tail (tokens after a prefix hit) given to the paged kernel: a short tail over a long context is
-# bound by reading the context, which the kernel reads once in place; a long tail is bound by its FLOPs, where the
-# gathered path's flash attention is the faster kernel and its gather is small beside them.
-PAGED_TAIL_MAX_TOKENS = 2048
+# Longest prefill tail (tokens after a prefix hit) given to the paged kernel, by cache dtype. A short tail over a long
+# context is bound by reading the context, which the kernel does once, in place; a longer one is bound by its FLOPs,
+# where flash attention after the gather was the faster kernel for a bf16 cache (192 tokens at 128k on an H200: 132 ms
+# for 64 layers vs the kernel's 139; run 18). An fp8 cache has to be dequantized into the gathered copy, which the
+# kernel does as it reads (192 tokens at 32k: 42 ms vs 64).
+PAGED_TAIL_MAX_TOKENS = {"model": 128, "fp8": 1024}
 
 
 @dataclass(frozen=True)
@@ -96,12 +98,12 @@ def _expand(kv: torch.Tensor, queries_per_kv: int) -> torch.Tensor:
 
 
 def tail_plan(block_table: torch.Tensor, start: int, t: int, num_heads: int, cache: torch.Tensor,
-              in_place: bool) -> paged.TailPlan | None:
+              dtype: torch.dtype, in_place: bool) -> paged.TailPlan | None:
     """The paged kernel's plan for a prefill of t tokens after `start` cached ones, where it serves (in place allowed,
-    the lower-right case, at most PAGED_TAIL_MAX_TOKENS); None: prefill_attention gathers."""
-    if not in_place or start <= t or t > PAGED_TAIL_MAX_TOKENS:
+    the lower-right case, at most PAGED_TAIL_MAX_TOKENS for the cache's dtype); None: prefill_attention gathers."""
+    if not in_place or start <= t or t > PAGED_TAIL_MAX_TOKENS["fp8" if is_quantized(cache) else "model"]:
         return None
-    return paged.plan_tail(block_table, start, t, num_heads, cache.shape[3])
+    return paged.plan_tail(block_table, start, t, num_heads, cache.shape[3], cache.shape[4], dtype.itemsize)
 
 
 def prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, start: int, scale: float,
@@ -121,9 +123,9 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.T
       which cost a 131k-token prompt after a 16-token prefix-cache hit 13 s more than the same prompt without it
       (two-GPU sessions, docs/results/h200x2); the square form's `start` extra rows cost less than that whenever
       start <= T.
-    - in place (a `plan` from tail_plan: the lower-right case on CUDA with Triton, tails of at most
-      PAGED_TAIL_MAX_TOKENS): the paged kernel (kvshare.engine.paged_attention) reads K/V through the block table,
-      no gathered context.
+    - in place (a `plan` from tail_plan: the lower-right case on CUDA with Triton, short tails, see
+      PAGED_TAIL_MAX_TOKENS): the paged kernel (kvshare.engine.paged_attention) reads K/V through the block table, no
+      gathered context.
     """
     if plan is not None:
         paged.tail_attention(q, cache, block_table, start, scale, scales, plan=plan)

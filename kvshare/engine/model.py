@@ -233,7 +233,7 @@ class CausalLM(nn.Module):
         there) and return the logits of the last position (1, vocab). `in_place`: see DecoderLayer.prefill."""
         h = self.model.embed_tokens(token_ids)  # (T, hidden), updated in place layer by layer
         cos, sin = rotary.tables(torch.arange(start, start + len(token_ids), device=token_ids.device))
-        plan = tail_plan(block_table, start, len(token_ids), self.config.num_heads, kv_caches[0], in_place)
+        plan = tail_plan(block_table, start, len(token_ids), self.config.num_heads, kv_caches[0], h.dtype, in_place)
         for layer, cache in zip(self.model.layers, kv_caches):
             layer.prefill(h, cache, block_table, start, cos, sin, chunk, plan)
         return self.logits(h[-1:])

@@ -82,9 +82,23 @@ class KernelConfig:
     num_stages: int = 2
 
 
-def default_config(rows: int) -> KernelConfig:
-    """16 rows for decode (one token: a group's query heads), 64 for tails."""
-    return KernelConfig(16 if rows <= 16 else 64)
+DECODE_CONFIG = KernelConfig(16)  # one token: a group's query heads
+# Tails: 128 rows a program with 128-key tiles, 8 warps, 3 stages was the fastest of five settings at every tail the
+# H200 probe ran (bf16 192 tokens at 32k and 128k, 2,048 at 128k: 7-17% faster than 64 rows with 64-key tiles; fp8 192
+# at 32k: within 5% of the best); a tail of at most 25 tokens of a 40/8-head model is then one row block per KV head,
+# which reads the context once (docs/results/h200, run 18).
+TAIL_CONFIG = KernelConfig(128, 128, 8, 3)
+
+
+SMALL_TAIL_CONFIG = KernelConfig(64)  # where TAIL_CONFIG's tiles would not fit in shared memory
+
+
+def default_config(rows: int, head_dim: int, itemsize: int) -> KernelConfig:
+    """The setting for `rows` query rows per KV head; TAIL_CONFIG's three stages of 128-key K and V tiles fit an
+    H100/H200's shared memory for 2-byte values and heads of at most 128."""
+    if rows <= 16:
+        return DECODE_CONFIG
+    return TAIL_CONFIG if head_dim <= 128 and itemsize <= 2 else SMALL_TAIL_CONFIG
 
 
 def decode_partition(max_model_len: int) -> int:
@@ -115,7 +129,7 @@ def attend(q: torch.Tensor, cache_: torch.Tensor, batch: PagedBatch, partition: 
     _, _, block_size, kv_heads, _ = cache_.shape
     group = num_heads // kv_heads
     out = q if out is None else out
-    config = config or default_config(batch.max_q_len * group)
+    config = config or default_config(batch.max_q_len * group, head_dim, q.element_size())
     row_block = config.row_block
     splits = -(-batch.max_kv_len // partition)
     sequences = batch.tables.shape[0]
@@ -155,8 +169,8 @@ class TailPlan:
     config: KernelConfig
 
 
-def plan_tail(block_table: torch.Tensor, start: int, t: int, num_heads: int, kv_heads: int,
-              config: KernelConfig | None = None) -> TailPlan:
+def plan_tail(block_table: torch.Tensor, start: int, t: int, num_heads: int, kv_heads: int, head_dim: int,
+              itemsize: int, config: KernelConfig | None = None) -> TailPlan:
     """The plan for queries at positions [start, start + t) over K/V [0, start + t) through `block_table`."""
     device = block_table.device
     total = start + t
@@ -166,7 +180,7 @@ def plan_tail(block_table: torch.Tensor, start: int, t: int, num_heads: int, kv_
         kv_len=torch.full((1,), total, dtype=torch.int32, device=device),
         q_pos=torch.arange(start, total, dtype=torch.int32, device=device), max_q_len=t, max_kv_len=total)
     rows = t * (num_heads // kv_heads)
-    config = config or default_config(rows)
+    config = config or default_config(rows, head_dim, itemsize)
     partition = tail_partition(rows, kv_heads, total, config.row_block, 2 * _multiprocessors(device))
     return TailPlan(batch, partition, config)
 
@@ -175,7 +189,8 @@ def tail_attention(q: torch.Tensor, cache_: torch.Tensor, block_table: torch.Ten
                    scales: KVScales = UNIT, config: KernelConfig | None = None, plan: TailPlan | None = None) -> None:
     """Causal attention of q (T, num_heads, D; positions [start, start + T)) over K/V [0, start + T) read in place
     from the cache; q is overwritten with the output (kvshare.engine.attention.prefill_attention's contract)."""
-    plan = plan or plan_tail(block_table, start, q.shape[0], q.shape[1], cache_.shape[3], config)
+    plan = plan or plan_tail(block_table, start, q.shape[0], q.shape[1], cache_.shape[3], q.shape[2], q.element_size(),
+                             config)
     attend(q, cache_, plan.batch, plan.partition, scale, scales, config=plan.config)
 
 

@@ -31,6 +31,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0  # leading full blocks registered in the local prefix cache
         self.last_block_hash: int | None = None  # hash of block num_hashed_blocks - 1: the next block's parent
+        self.block_hashes: list[int] = []  # the block_hash chain of leading full blocks, as far as computed
         self.local_hit_tokens = 0
         self.pool_hit_tokens = 0
         self.num_stored = 0  # leading tokens known to be in the pool (loaded from it or stored to it)

@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from kvshare.engine.api import GenerationRequest
 from kvshare.engine.block_manager import BlockManager
 from kvshare.engine.sequence import Sequence
+from kvshare.keys import block_hash, block_hashes
 
 
 def seq(tokens, rid="r"):
@@ -104,3 +105,29 @@ def test_random_operations_keep_integrity(ops):
         bm.release(blocks)
     bm.check_integrity()
     assert bm.num_free == 12
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=70), st.sampled_from([1, 4, 16]),
+       st.one_of(st.none(), st.integers(0, 2**64 - 1)))
+@settings(max_examples=60, deadline=None)
+def test_block_hashes_equal_the_chain_of_block_hash(tokens, block_size, parent):
+    """The one-pass chain the block manager uses gives block_hash's values, block by block (the local prefix cache's
+    keys are unchanged by computing them faster)."""
+    expected, previous = [], parent
+    for i in range(len(tokens) // block_size):
+        previous = block_hash(previous, tokens[i * block_size : (i + 1) * block_size])
+        expected.append(previous)
+    assert block_hashes(parent, tokens, block_size) == expected
+
+
+def test_a_sequence_s_chain_is_computed_once_and_extended():
+    bm = BlockManager(16, 4)
+    a = seq(range(10))
+    bm.allocate(a)
+    computed(bm, a)  # two full blocks registered
+    assert a.block_hashes == [bm.blocks[a.block_table[0]].hash, bm.blocks[a.block_table[1]].hash]
+    a.token_ids += [10, 11, 12, 13, 14]
+    bm.may_append(a)
+    computed(bm, a)  # the chain grows to the new full blocks, continuing from the last one
+    assert len(a.block_hashes) == 3 and bm.blocks[a.block_table[2]].hash == a.block_hashes[2]
+    assert block_hashes(None, list(range(12)), 4) == a.block_hashes

@@ -56,6 +56,7 @@ def relative_error(out, ref):
     return float((out - ref).norm() / ref.norm())
 
 
+@pytest.mark.parametrize("config", [None, pa.TAIL_CONFIG], ids=["default", "128-rows"])
 @pytest.mark.parametrize("kv_dtype", ["model", "fp8"])
 @pytest.mark.parametrize(("start", "tail", "heads", "kv_heads", "head_dim"), [
     (700, 1, 8, 2, 64),  # a one-token tail
@@ -63,13 +64,13 @@ def relative_error(out, ref):
     (1500, 5, 6, 3, 48),  # head size padded to 64 inside the kernel
     (100, 20, 4, 4, 32),  # one partition: the kernel writes the output itself
 ])
-def test_tail_matches_float64(kv_dtype, start, tail, heads, kv_heads, head_dim):
+def test_tail_matches_float64(kv_dtype, start, tail, heads, kv_heads, head_dim, config):
     dtype = torch.float8_e4m3fn if kv_dtype == "fp8" else COMPUTE
     scales = KVScales(0.5, 2.0) if kv_dtype == "fp8" else KVScales()
     cache, table, k, v = filled_cache(dtype, start + tail, kv_heads, head_dim, scales=scales, seed=start)
     q = torch.randn(tail, heads, head_dim, generator=torch.Generator().manual_seed(1)).to(DEVICE, COMPUTE)
     ref = reference(q, k, v, range(start, start + tail), head_dim**-0.5)
-    pa.tail_attention(q, cache, table, start, head_dim**-0.5, scales)  # q is overwritten with the output
+    pa.tail_attention(q, cache, table, start, head_dim**-0.5, scales, config)  # q is overwritten with the output
     assert relative_error(q, ref) < TOLERANCE
 
 
