@@ -1,5 +1,7 @@
 """Fixtures for the engine tests: engines on the session's tiny model (tests/conftest.py), always shut down."""
 
+import os
+
 import pytest
 
 from kvshare.engine.config import EngineConfig
@@ -16,6 +18,8 @@ def make_engine(tiny_model):
         fields.update(overrides)
         engine = Engine(EngineConfig(**fields))
         engines.append(engine)
+        # Under Triton's interpreter (test_paged_interpreter.py) the point is the kernels: every engine must use them.
+        assert os.environ.get("TRITON_INTERPRET") != "1" or engine.runner.paged
         return engine
 
     yield make

@@ -4,6 +4,7 @@ local prefix hit and cache OFF give (CPU, fp32 compute)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -81,6 +82,7 @@ def engines(tiny_model):
         engine = Engine(EngineConfig(model=str(tiny_model), dtype=dtype, kv_cache_dtype=kv, max_model_len=512,
                                      num_blocks=128))
         made.append(engine)
+        assert os.environ.get("TRITON_INTERPRET") != "1" or engine.runner.paged  # see test_paged_interpreter.py
         return engine
 
     yield make
