@@ -179,3 +179,9 @@ def test_torch_is_an_extra_not_a_dependency():
     extras = project["optional-dependencies"]
     assert extras["engine"] == ["torch>=2.11"] and extras["l2"] == ["redis>=5"] and extras["vllm"] == ["vllm==0.32.0"]
     assert "pip install -q -e '.[engine,l2,dev]'" in (root / "Makefile").read_text()
+
+
+def test_serve_asked_for_the_triton_kernels_without_a_gpu_says_what_they_need(tiny_model):
+    """`--attention-backend triton` on a CPU (no Triton interpreter): one line naming what it needs, no traceback."""
+    line = one_line_error(kvshare("serve", "--model", str(tiny_model), "--attention-backend", "triton"))
+    assert "--attention-backend triton needs a CUDA device" in line, line

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvshare.engine import paged_attention
 from kvshare.engine.kv_quant import kv_cache_dtype
 from kvshare.hf.config import DTYPE_BYTES
 
@@ -45,6 +46,9 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention backend {self.attention_backend!r} unknown: use one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
+        if self.attention_backend == "triton" and not paged_attention.available(torch.device(self.device)):
+            raise ValueError("--attention-backend triton needs a CUDA device and Triton (torch's CUDA builds ship "
+                             "it), or TRITON_INTERPRET=1 on a CPU: use auto or torch")
 
     @property
     def torch_kv_dtype(self) -> torch.dtype:

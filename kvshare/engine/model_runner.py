@@ -61,14 +61,9 @@ class ModelRunner:
                                        partition=self.decode_partition, device=self.device)
 
     def _paged_attention(self) -> bool:
-        """Whether attention reads the cache in place (the Triton kernel) instead of gathering it."""
-        backend = self.config.attention_backend
-        if backend == "torch" or (backend == "auto" and not paged_attention.available(self.device)):
-            return False
-        if not paged_attention.available(self.device):
-            raise ValueError("--attention-backend triton needs a CUDA device and Triton (torch's CUDA builds ship it), "
-                             "or TRITON_INTERPRET=1 on a CPU")
-        return True
+        """Whether attention reads the cache in place (the Triton kernel) instead of gathering it (EngineConfig has
+        refused "triton" where the kernel cannot run)."""
+        return self.config.attention_backend != "torch" and paged_attention.available(self.device)
 
     @property
     def block_bytes(self) -> int:

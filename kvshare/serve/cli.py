@@ -140,6 +140,7 @@ def run_serve(args: argparse.Namespace) -> int:
         limits, http_limits = request_limits(args), http_limits_from_args(args)
         connector = connector_config(args) if args.pool != "none" else None
         check_model_folder(args.model)
+        config = engine_config(args)  # flags the engine refuses (e.g. a backend this machine cannot run) fail here
         # Bound before the model loads (seconds to minutes): a busy port fails now, and "serving on" is never logged
         # for a port this server does not hold.
         sock = reserve_port(args.host, args.port)
@@ -149,7 +150,7 @@ def run_serve(args: argparse.Namespace) -> int:
     warn_if_pool_absent(args.pool)
     try:
         tokenizer = Tokenizer.from_dir(args.model)
-        engine = Engine(engine_config(args))
+        engine = Engine(config)
     except (ValueError, OSError) as error:
         sock.close()
         print(f"kvshare serve: cannot load the model in {args.model}: {error}", file=sys.stderr)
