@@ -45,6 +45,7 @@ LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per tile: four 16-token blocks
 MIN_PARTITION = 512  # keys per partition at least: below this the partial outputs cost more than they spread
 DECODE_MAX_PARTITIONS = 128  # a decode partition grows with --max-model-len so the partial buffers stay bounded
+MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension (sequences x partitions): larger batches launch in parts
 
 
 def available(device: torch.device) -> bool:
@@ -133,7 +134,7 @@ def attend(q: torch.Tensor, cache_: torch.Tensor, batch: PagedBatch, partition: 
     row_block = config.row_block
     splits = -(-batch.max_kv_len // partition)
     sequences = batch.tables.shape[0]
-    grid = (-(-batch.max_q_len * group // row_block), kv_heads, sequences * splits)
+    row_blocks = -(-batch.max_q_len * group // row_block)
     direct = splits == 1
     if direct:
         acc = m = l_ = out  # unused by the kernel in this mode
@@ -143,15 +144,18 @@ def attend(q: torch.Tensor, cache_: torch.Tensor, batch: PagedBatch, partition: 
         l_ = torch.empty_like(m)
     store = cache_.view(torch.uint8) if is_quantized(cache_) else cache_
     partial, combine = _kernels()
-    partial[grid](
-        q, store, batch.tables, batch.q_start, batch.q_len, batch.kv_len, acc, m, l_, out,
-        float(scales.k), float(scales.v), scale * LOG2E,
-        q.stride(0), batch.tables.stride(0), cache_.stride(0), cache_.stride(1), cache_.stride(2),
-        rows * num_heads * head_dim, rows * num_heads, num_heads, splits, partition,
-        GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        D_PAD=triton.next_power_of_2(head_dim), BLOCK_M=row_block, BLOCK_N=config.block_n, FP8=is_quantized(cache_),
-        DIRECT=direct, IEEE=q.dtype == torch.float32, num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    per_launch = max(1, MAX_GRID_Z // splits)  # programs are independent: launching in parts changes no result
+    for s0 in range(0, sequences, per_launch):
+        part = slice(s0, min(sequences, s0 + per_launch))
+        partial[(row_blocks, kv_heads, (part.stop - s0) * splits)](
+            q, store, batch.tables[part], batch.q_start[part], batch.q_len[part], batch.kv_len[part], acc, m, l_,
+            out, float(scales.k), float(scales.v), scale * LOG2E,
+            q.stride(0), batch.tables.stride(0), cache_.stride(0), cache_.stride(1), cache_.stride(2),
+            rows * num_heads * head_dim, rows * num_heads, num_heads, splits, partition,
+            GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
+            BLOCK_M=row_block, BLOCK_N=config.block_n, FP8=is_quantized(cache_), DIRECT=direct,
+            IEEE=q.dtype == torch.float32, num_warps=config.num_warps, num_stages=config.num_stages,
+        )
     if not direct:
         combine[(rows, num_heads)](
             acc, m, l_, batch.q_pos, out, rows * num_heads * head_dim, rows * num_heads, out.stride(0), num_heads,
