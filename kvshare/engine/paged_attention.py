@@ -1,10 +1,12 @@
 """Attention that reads the paged KV cache in place: a Triton kernel for the queries of a prefill tail after a prefix
 hit and for decode steps, so no sequence's context is gathered into a contiguous copy first.
 
-Why: gathering every layer's context before SDPA (kvshare.engine.attention.gather_kv) cost a 192-token tail at 128k
-~0.13 s over 64 layers and a decode step at 32k ~20 ms on an H200 (docs/results/h200, run 15), more than the
-attention itself. Here each program loads its K/V tiles through the block table, dequantizing an fp8 cache as it
-reads, and keeps only running softmax statistics.
+Why: a decode step gathered every layer's whole context before SDPA (kvshare.engine.attention.gather_kv): at 32k on
+an H200, 14 ms for 64 layers with a bf16 cache and 38 ms with fp8 (dequantized into the copy), against 3.0 and 3.3
+ms here (docs/results/h200, run 18). Prefill tails gain where they are bound by reading the context (short ones) or
+by the fp8 dequantization; long bf16 tails are bound by their FLOPs and keep the gathered path
+(attention.PAGED_TAIL_MAX_TOKENS). Each program loads its K/V tiles through the block table, dequantizing an fp8
+cache as it reads, and keeps only running softmax statistics.
 
 Work split (flash-decoding): queries of one KV head are packed as rows (token, query head of the group), so a K/V
 tile read serves every query head that shares it (GQA); the keys are cut into partitions of `partition` positions,
@@ -42,7 +44,7 @@ except ImportError:  # the CPU build of torch ships without Triton: the gathered
     triton = None
 
 LOG2E = 1.4426950408889634
-BLOCK_N = 64  # keys per tile: four 16-token blocks
+BLOCK_N = 64  # partitions are multiples of this (the smallest key tile of the settings below: four 16-token blocks)
 MIN_PARTITION = 512  # keys per partition at least: below this the partial outputs cost more than they spread
 DECODE_MAX_PARTITIONS = 128  # a decode partition grows with --max-model-len so the partial buffers stay bounded
 MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension (sequences x partitions): larger batches launch in parts
