@@ -107,33 +107,26 @@ class Attention(nn.Module):
         """Store q_proj, k_proj and v_proj's weights (and biases) as one tensor, the three parameters becoming views
         of it, so qkv() runs one matrix product instead of three: at batch 1 on an H200 the 1024-row k and v products
         read their weights at ~0.45 TB/s, the fused one at ~3.1 TB/s (run 19: 4.1 -> 1.5 ms a token over 64 layers).
-        Names and values are unchanged (state_dict, identity)."""
+        Names and values are unchanged (state_dict, identity). The loader calls it; qkv() needs it."""
         projections = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_bias = None
         for name in ("weight", "bias") if self.q_proj.bias is not None else ("weight",):
-            fused = torch.cat([getattr(p, name) for p in projections])
+            # detached: an autograd graph over the originals would keep them alive beside the fused copy
+            fused = torch.cat([getattr(p, name).detach() for p in projections])
             offset = 0
             for p in projections:
                 size = getattr(p, name).shape[0]
                 setattr(p, name, nn.Parameter(fused[offset : offset + size], requires_grad=False))
                 offset += size
             setattr(self, f"qkv_{name}", fused)
-        if self.q_proj.bias is None:
-            self.qkv_bias = None
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x (T, hidden) -> roped q (T, heads, D), roped k (T, kv_heads, D), v (T, kv_heads, D)."""
-        t = x.shape[0]
-        if hasattr(self, "qkv_weight"):
-            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(
-                [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                 self.num_kv_heads * self.head_dim], dim=-1)
-            q = q.reshape(t, self.num_heads, self.head_dim)
-            k = k.reshape(t, self.num_kv_heads, self.head_dim)
-            v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        else:
-            q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-            k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-            v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        t, q_size, kv_size = x.shape[0], self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)  # views: the product's rows are q|k|v
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.fused:  # in place: q and k are this call's own tensors (views of the product, or the norms' outputs)

@@ -87,3 +87,17 @@ def test_batched_decode_matches_single(tmp_path):
     singles = [decode(model, torch.tensor([t]), [p], caches, [tb], rotary)[0]
                for t, p, tb in ((7, 9, tables[0]), (8, 5, tables[1]))]
     torch.testing.assert_close(batched, torch.stack(singles), atol=1e-5, rtol=1e-5)
+
+
+def test_q_k_v_are_views_of_one_fused_tensor_and_nothing_keeps_the_originals(tmp_path):
+    """The loader fuses each layer's q|k|v (Attention.fuse_qkv): the three parameters keep their names and values as
+    views of one tensor, and no autograd graph holds the unfused originals (32B: 4.7 GB of GPU memory)."""
+    reference = hf_model("qwen2", tmp_path)
+    attn = load_model(tmp_path, "auto", "cpu", torch.float32).model.model.layers[0].self_attn
+    fused, expected = attn.qkv_weight, reference.model.layers[0].self_attn
+    assert fused.grad_fn is None and not fused.requires_grad
+    for name in ("q_proj", "k_proj", "v_proj"):
+        weight = getattr(attn, name).weight
+        assert weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+        assert torch.equal(weight, getattr(expected, name).weight)
+    assert attn.qkv_bias is not None and attn.qkv_bias.grad_fn is None  # qwen2 has q/k/v biases
