@@ -44,7 +44,9 @@ class ModelRunner:
         self.kv_caches = list(whole.unbind(0))
         log.info("KV cache: %d blocks of %d tokens (%s) on %s", self.num_blocks, config.block_size,
                  format_size(self.num_blocks * self.block_bytes), self.device)
-        self.paged = self._paged_attention()
+        # Attention reads the cache in place (the Triton kernels) unless told not to or unable (EngineConfig has
+        # refused "triton" where they cannot run).
+        self.paged = config.attention_backend != "torch" and paged_attention.available(self.device)
         use_graphs = self.paged and self.device.type == "cuda" and not config.enforce_eager and self.num_blocks > 1
         self.usable_blocks = self.num_blocks - 1 if use_graphs else self.num_blocks  # the last: the graphs' scratch
         self.max_model_len = min(config.max_model_len or model_config.max_position,
@@ -52,18 +54,19 @@ class ModelRunner:
         self.decode_partition = paged_attention.decode_partition(self.max_model_len)
         self.graphs: DecodeGraphs | None = None
         if self.paged:
-            self.model.use_fused_ops()
-            paged_attention.warm_up(self.kv_caches[0], model_config.num_heads, self.dtype)
+            self._prepare_kernels(use_graphs)
+
+    def _prepare_kernels(self, use_graphs: bool) -> None:
+        """Fused per-token kernels on, every kernel variant compiled, and decode captured as CUDA graphs, all before
+        the first request."""
+        self.model.use_fused_ops()
+        paged_attention.warm_up(self.kv_caches[0], self.model_config.num_heads, self.dtype)
         if use_graphs:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.rotary,
-                                       sizes=capture_sizes(config.max_num_seqs), max_model_len=self.max_model_len,
-                                       block_size=config.block_size, scratch_block=self.num_blocks - 1,
-                                       partition=self.decode_partition, device=self.device)
-
-    def _paged_attention(self) -> bool:
-        """Whether attention reads the cache in place (the Triton kernel) instead of gathering it (EngineConfig has
-        refused "triton" where the kernel cannot run)."""
-        return self.config.attention_backend != "torch" and paged_attention.available(self.device)
+                                       sizes=capture_sizes(self.config.max_num_seqs),
+                                       max_model_len=self.max_model_len, block_size=self.config.block_size,
+                                       scratch_block=self.num_blocks - 1, partition=self.decode_partition,
+                                       device=self.device)
 
     @property
     def block_bytes(self) -> int:
