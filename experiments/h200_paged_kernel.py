@@ -20,8 +20,8 @@ import time
 import torch
 
 from kvshare.engine import paged_attention as pa
-from kvshare.engine.attention import prefill_attention
-from kvshare.engine.kv_quant import KVScales, from_cache
+from kvshare.engine.attention import gather_kv, prefill_attention
+from kvshare.engine.kv_quant import KVScales
 
 HEADS, KV_HEADS, D, LAYERS, BLOCK = 40, 8, 128, 64, 16
 TAIL_CONFIGS = [pa.KernelConfig(64), pa.KernelConfig(128, 64, 8), pa.KernelConfig(64, 128, 4),
@@ -59,13 +59,7 @@ def graphed(fn):
 
 def reference_rows(q, cache, table, kv_len, positions, rows, scales):
     """float64 attention of q's `rows` (at `positions`) over the cache's first kv_len positions."""
-    blocks = table[: -(-kv_len // BLOCK)]
-    store = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
-    k = store[blocks, 0].flatten(0, 1)[:kv_len]
-    v = store[blocks, 1].flatten(0, 1)[:kv_len]
-    if store is not cache:
-        k = from_cache(k.view(cache.dtype), torch.bfloat16, scales.k)
-        v = from_cache(v.view(cache.dtype), torch.bfloat16, scales.v)
+    k, v = gather_kv(cache, table, kv_len, slice(None), torch.bfloat16, scales)  # dequantized if fp8
     k, v = k.double().repeat_interleave(HEADS // KV_HEADS, 1), v.double().repeat_interleave(HEADS // KV_HEADS, 1)
     out = []
     for r in rows:

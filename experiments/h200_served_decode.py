@@ -18,13 +18,13 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from kvshare.processes import ManagedProcess, NotReady, free_port, kvshare_argv, wait_http_ready
 
 ARMS = {  # name -> extra `kvshare serve` flags
     "graphs": [],
@@ -33,31 +33,21 @@ ARMS = {  # name -> extra `kvshare serve` flags
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args, arm: str, port: int, log_path: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "kvshare", "serve", "--model", args.model, "--load-format", "dummy",
-               "--device", args.device, "--dtype", args.dtype, "--port", str(port),
-               "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs), *ARMS[arm]]
-    return subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
-
-
-def wait_ready(client, proc, deadline: float) -> float:
+def start_server(args, arm: str, out: Path, deadline: float) -> tuple[ManagedProcess, str, float]:
+    """`kvshare serve` for the arm, as a user starts it; (process, url, seconds until /health answered 200)."""
+    port = free_port()
+    argv = kvshare_argv("serve", "--model", args.model, "--load-format", "dummy", "--device", args.device,
+                        "--dtype", args.dtype, "--port", str(port), "--max-model-len", str(args.max_model_len),
+                        "--max-num-seqs", str(args.max_num_seqs), *ARMS[arm])
     started = time.perf_counter()
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if client.get("/health").status_code == 200:
-                return time.perf_counter() - started
-        except Exception:  # noqa: BLE001 - not listening yet
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("server not ready")
+    proc = ManagedProcess(f"serve-{arm}", argv, out / f"server-{arm}.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_ready(url, proc, max(1.0, deadline - time.time()))
+    except NotReady:
+        proc.stop()
+        raise
+    return proc, url, time.perf_counter() - started
 
 
 def stream(client, model: str, prompt: list[int], tokens: int) -> tuple[float, list[float]]:
@@ -78,12 +68,10 @@ def stream(client, model: str, prompt: list[int], tokens: int) -> tuple[float, l
 def run_arm(args, arm: str, out: Path, deadline: float) -> list[dict]:
     import httpx
 
-    port = free_port()
-    proc = start_server(args, arm, port, out / f"server-{arm}.log")
+    proc, url, ready = start_server(args, arm, out, deadline)
     rows = []
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
-            ready = wait_ready(client, proc, deadline)
+        with httpx.Client(base_url=url, timeout=600) as client:
             model = client.get("/v1/models").json()["data"][0]["id"]
             rng = random.Random(7)
 
@@ -100,11 +88,7 @@ def run_arm(args, arm: str, out: Path, deadline: float) -> list[dict]:
                     print(f"  {arm} ctx {context} prompt {i}: ttft {ttft:.3f} s, "
                           f"{statistics.median(gaps):.1f} ms/token", flush=True)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        proc.stop()
     return rows
 
 
