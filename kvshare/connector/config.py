@@ -23,6 +23,9 @@ class ConnectorConfig:
     register_piece: int = 16 << 30  # CUDA replicas register the arena for DMA in pieces of at most this many bytes,
     register_threads: int = 4  # on this many background threads (a transfer waits only for its own pieces),
     register_ahead: bool = True  # all pieces from the start; False: only pieces a transfer touches (hostmem.py)
+    load_waves: int = 4  # the reference engine loads a hit in this many layer waves, its forward reading each layer
+    # once that layer has landed (kvshare.transfer.waves); 1: the whole load before the forward. vLLM's connector
+    # loads whole (it takes no such key)
 
 
 # kv_connector_extra_config key -> (ConnectorConfig field, how its value is read). "model_id" is the namespace's.

@@ -19,22 +19,37 @@ class StoreHandle:
         return self.is_done()
 
 
+class LayerLoad(Protocol):
+    """A load under way (KVConnector.start_load). Neither method raises."""
+
+    def wait_layer(self, layer: int) -> None:
+        """Order the caller's next reads of layer `layer`'s loaded blocks after their copies: kernels then queued on
+        the current stream (a GPU), or the caller's own reads (a CPU)."""
+
+    def finish(self) -> bool:
+        """Wait for every copy and settle the load (the lease ends here). True: the loaded blocks hold the pool's
+        bytes. False: they do not count, and whatever was computed from them must be computed again."""
+
+
 class KVConnector(Protocol):
     """The engine's view of the shared pool (kvshare.engine.pool_connector implements it). Never raises: any pool
-    failure becomes a miss (lookup returns 0, load returns False, store returns None) and costs only recompute (I7)."""
+    failure becomes a miss (lookup returns 0, a load's finish() False, store returns None) and costs only recompute
+    (I7)."""
 
     chunk_tokens: int
     stats: ConnectorStats
 
     def lookup(self, request_id: str, token_ids: Sequence[int], num_computed: int, salt: str = "") -> int:
         """Tokens beyond `num_computed` that the pool holds of `token_ids` (the request's tokens, its last included),
-        under a read lease kept for this request until load() or release(). The engine accepts an answer only if it
-        leaves the last token to compute; kvshare's connector answers up to a block boundary before it."""
+        under a read lease kept for this request until its load is finished or release(). The engine accepts an answer
+        only if it leaves the last token to compute; kvshare's connector answers up to a block boundary before it."""
 
-    def load(self, request_id: str, block_ids: Sequence[int], num_computed: int, num_tokens: int) -> bool:
-        """Load tokens [num_computed, num_computed + num_tokens) into `block_ids` (the request's whole block table).
-        Returns once every later kernel on the current stream is ordered after the copy (I5); False means failed:
-        the engine recomputes those tokens."""
+    def start_load(self, request_id: str, block_ids: Sequence[int], num_computed: int,
+                   num_tokens: int) -> "LayerLoad | None":
+        """Start loading tokens [num_computed, num_computed + num_tokens) into `block_ids` (the request's whole block
+        table), the hit lookup() found. The copies may still run when it returns: the engine calls wait_layer(l)
+        before anything reads layer l's loaded blocks (I5 per layer) and finish() once after its last such read.
+        None means nothing was started: the engine recomputes those tokens."""
 
     def release(self, request_id: str) -> None:
         """Drop any lease still held for the request (e.g. it was aborted before load)."""

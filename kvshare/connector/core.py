@@ -34,11 +34,21 @@ from kvshare.connector.config import ConnectorConfig
 from kvshare.connector.contract import ConnectorStats, StoreHandle
 from kvshare.connector.failures import Failures
 from kvshare.connector.link import PoolLink
+from kvshare.connector.pending_load import PendingLoad
 from kvshare.connector.promotion import PromotionPolicy
 from kvshare.connector.storer import Storer, StoreTask
 from kvshare.keys import Namespace, PromptChunks, chunk_keys, prompt_chunks, token_bytes
 from kvshare.pool.client import LookupResult, NewChunk, PoolClient
-from kvshare.transfer import SKIP, KVLayout, LoadJob, StoreJob, TransferOptions, arena_pages, make_transfer
+from kvshare.transfer import (
+    SKIP,
+    KVLayout,
+    LoadJob,
+    StoreJob,
+    TransferHandle,
+    TransferOptions,
+    arena_pages,
+    make_transfer,
+)
 
 log = logging.getLogger("kvshare.connector")
 
@@ -244,44 +254,35 @@ class ConnectorCore:
         release=False leaves the read lease to whoever took it: a lease belongs to one pool connection, and in
         vLLM the scheduler process (find) and the worker process (load) have different ones.
         """
+        return self.start_load(hit, block_ids, num_computed, waves=1, release=release).finish()
+
+    def start_load(self, hit: PoolHit, block_ids: Sequence[int], num_computed: int, waves: int = 1,
+                   release: bool = True) -> PendingLoad:
+        """Start loading the hit as load() does, in `waves` layer waves (kvshare.transfer.waves), and return while
+        the copies run: the caller reads layer l's blocks only after wait_layer(l), and calls finish() once after its
+        last such read (the read lease and the arena are held until then: I3). Never raises."""
         started = time.perf_counter()
+        life = self._attached
+        if hit.pool_instance != life.instance or not life.acquire():
+            # The pool restarted since the lookup: those page numbers now mean other bytes.
+            return PendingLoad(None, lambda handle: self._settle(hit, None, None, started, release), self._failures)
         try:
-            ok = self._load(hit, block_ids, num_computed)
+            handle = self._start_copies(life, self._kv, hit, block_ids, num_computed, waves)
         except Exception as error:  # noqa: BLE001 - a failed load is a miss, never a failed request
             self._failures.record("load", error)
-            ok = False
-        finally:
-            # The lease ends only here, after _load waited for its copies: until then the pages cannot be evicted.
-            if release:
-                self.release_hit(hit)
-        if ok:
-            self.stats.loads += 1
-            self.stats.load_bytes += sum(hit.nbytes)
-            self.stats.load_seconds += time.perf_counter() - started
-        else:
-            self.stats.load_failures += 1
-        return ok
+            handle = None
+        return PendingLoad(handle, lambda handle: self._settle(hit, life, handle, started, release), self._failures)
 
-    def _load(self, hit: PoolHit, block_ids: Sequence[int], num_computed: int) -> bool:
-        life, kv = self._attached, self._kv
-        if hit.pool_instance != life.instance or not life.acquire():
-            return False  # the pool restarted since the lookup: those page numbers now mean other bytes
-        try:
-            return self._load_from(life, kv, hit, block_ids, num_computed)
-        finally:
-            life.release()  # after the copies and the hash are over (handle.wait below)
-
-    def _load_from(self, life: ArenaLife, kv: EngineKV | None, hit: PoolHit, block_ids: Sequence[int],
-                   num_computed: int) -> bool:
+    def _start_copies(self, life: ArenaLife, kv: EngineKV | None, hit: PoolHit, block_ids: Sequence[int],
+                      num_computed: int, waves: int) -> TransferHandle | None:
         transfer = life.transfer
         if transfer is None or kv is None:
-            return False
+            return None
         # Verification hashes the bytes the load reads: on a GPU from each staging slot after its copy, beside the
         # scatter (only the last slot's hash outlasts the copies); on a CPU, on host threads from the pages while
         # the copies run (the read lease keeps them unchanged). A mismatch fails the load after its copies have
         # written the blocks: a failed load's blocks count as not computed, and the engine (or vLLM's recompute
-        # policy) recomputes them.
-        verify = self.config.verify_checksums
+        # policy) recomputes them, and what it computed from them.
         block = kv.layout.block_size
         per_chunk = self.chunk_tokens // block
         # Blocks the engine has (below num_computed) or will compute (from hit.end) are skipped; the whole chunk is
@@ -292,13 +293,43 @@ class ConnectorCore:
             first_block = (hit.first_chunk + i) * per_chunk
             chunk_blocks = range(first_block, first_block + hit.counts[i] // block)
             jobs.append(LoadJob(pages=pages, block_ids=[block_ids[j] if j in wanted else SKIP for j in chunk_blocks]))
-        handle = transfer.load(jobs, checksums=verify)
+        return transfer.load(jobs, checksums=self.config.verify_checksums, waves=waves)
+
+    def _settle(self, hit: PoolHit, life: ArenaLife | None, handle: TransferHandle | None, started: float,
+                release: bool) -> bool:
+        """End a load (PendingLoad.finish): wait for its copies, compare checksums, give back the arena and the lease
+        (in that order: I3), count it. Never raises."""
+        try:
+            ok = handle is not None and self._verified(hit, handle)
+        except Exception as error:  # noqa: BLE001 - a failed load is a miss, never a failed request
+            self._failures.record("load", error)
+            ok = False
+        finally:
+            if life is not None:
+                life.release()  # after the copies and the hash are over (_verified waited for them)
+            # The lease ends only here, after the copies: until then the pages cannot be evicted.
+            if release:
+                self.release_hit(hit)
+        if ok:
+            self.stats.loads += 1
+            self.stats.load_bytes += sum(hit.nbytes)
+            # A load in waves is settled after the forward that overlapped it: its seconds then include that
+            # forward's last wave of layers (a lower rate for the L2 decision: recompute is chosen a little sooner).
+            self.stats.load_seconds += time.perf_counter() - started
+        else:
+            self.stats.load_failures += 1
+        return ok
+
+    def _verified(self, hit: PoolHit, handle: TransferHandle) -> bool:
+        """Wait for the copies; True unless verification found chunks whose bytes are not the writer's (those are
+        DISCARDed: I11)."""
+        verify = self.config.verify_checksums
         try:
             read = handle.checksums() if verify else hit.checksums
             bad = [i for i, (want, got) in enumerate(zip(hit.checksums, read)) if got != want]  # chunk indices
         finally:
             # wait(), also when hashing raised: the lease is released right after, so the host must know the page
-            # reads are finished (I3).
+            # reads are finished (I3). It raises if a copy failed.
             handle.wait()
         if bad:
             self.stats.errors += 1

@@ -8,7 +8,9 @@ bounds activation memory to about two full-sequence buffers (hidden states and q
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -161,9 +163,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def prefill(self, h, cache, block_table, start, cos, sin, chunk, plan=None):
+    def prefill(self, h, cache, block_table, start, cos, sin, chunk, plan=None, cache_ready=None):
         """Advance hidden states h (T, hidden) of positions [start, start+T) through this layer, in place; `plan`: the
-        tail's attention reads the cache through the paged kernel (kvshare.engine.attention.tail_plan)."""
+        tail's attention reads the cache through the paged kernel (kvshare.engine.attention.tail_plan);
+        `cache_ready()`: called before the attention, the first read of this layer's cache (the K/V written
+        before it go to the new tokens' own slots, which no load touches)."""
         attn, t = self.self_attn, h.shape[0]
         blocks, offsets = slot_indices(block_table, start, start + t, cache.shape[2])
         q = h.new_empty(t, attn.num_heads, attn.head_dim)  # reused for the attention output
@@ -171,6 +175,8 @@ class DecoderLayer(nn.Module):
             e = min(t, s + chunk)
             q[s:e], k, v = attn.qkv(self.input_layernorm(h[s:e]), cos[s:e], sin[s:e])
             attn.write_kv(cache, blocks[s:e], offsets[s:e], k, v)
+        if cache_ready is not None:
+            cache_ready()
         prefill_attention(q, cache, block_table, start, attn.scale, attn.kv_scales, plan)
         q = q.view(t, -1)
         for s in range(0, t, chunk):
@@ -221,14 +227,16 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def prefill(self, token_ids, start, kv_caches, block_table, rotary: Rotary, chunk: int,
-                in_place: bool = False) -> torch.Tensor:
+                in_place: bool = False, before_attention: Callable[[int], None] | None = None) -> torch.Tensor:
         """Compute K/V of `token_ids` at positions [start, start+T) into the cache (earlier positions must already be
-        there) and return the logits of the last position (1, vocab). `in_place`: see DecoderLayer.prefill."""
+        there, or be made so by before_attention(i) before layer i reads them) and return the logits of the last
+        position (1, vocab). `in_place`: see DecoderLayer.prefill."""
         h = self.model.embed_tokens(token_ids)  # (T, hidden), updated in place layer by layer
         cos, sin = rotary.tables(torch.arange(start, start + len(token_ids), device=token_ids.device))
         plan = tail_plan(block_table, start, len(token_ids), self.config.num_heads, kv_caches[0], h.dtype, in_place)
-        for layer, cache in zip(self.model.layers, kv_caches):
-            layer.prefill(h, cache, block_table, start, cos, sin, chunk, plan)
+        for index, (layer, cache) in enumerate(zip(self.model.layers, kv_caches)):
+            ready = None if before_attention is None else functools.partial(before_attention, index)
+            layer.prefill(h, cache, block_table, start, cos, sin, chunk, plan, ready)
         return self.logits(h[-1:])
 
     @torch.inference_mode()

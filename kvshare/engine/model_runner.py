@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 
@@ -99,12 +100,13 @@ class ModelRunner:
         chunk = c.prefill_chunk * (3 * m.intermediate_size + 2 * m.hidden_size) * e
         return sequence + chunk + (1 << 30) + (2 << 30)
 
-    def prefill(self, seq: Sequence) -> torch.Tensor:
-        """Compute K/V of seq's tokens [num_computed, num_tokens); logits of the last one (1, vocab)."""
+    def prefill(self, seq: Sequence, before_attention: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Compute K/V of seq's tokens [num_computed, num_tokens); logits of the last one (1, vocab).
+        before_attention(i) runs before layer i's attention reads the cache (a pool load in waves)."""
         tokens = torch.tensor(seq.token_ids[seq.num_computed :], device=self.device)
         table = torch.tensor(seq.block_table, device=self.device)
         return self.model.prefill(tokens, seq.num_computed, self.kv_caches, table, self.rotary,
-                                  self.config.prefill_chunk, in_place=self.paged)
+                                  self.config.prefill_chunk, in_place=self.paged, before_attention=before_attention)
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One step for each sequence's newest token; logits (B, vocab)."""

@@ -9,6 +9,7 @@ from typing import Sequence
 from kvshare.connector.config import ConnectorConfig
 from kvshare.connector.contract import StoreHandle
 from kvshare.connector.core import ConnectorCore, PoolHit
+from kvshare.connector.pending_load import PendingLoad
 from kvshare.keys import Namespace
 from kvshare.transfer import KVLayout
 
@@ -43,12 +44,13 @@ class PoolConnector:
             self._hits[request_id] = hit
         return hit.end - num_computed
 
-    def load(self, request_id: str, block_ids: Sequence[int], num_computed: int, num_tokens: int) -> bool:
+    def start_load(self, request_id: str, block_ids: Sequence[int], num_computed: int,
+                   num_tokens: int) -> PendingLoad | None:
         with self._lock:
             hit = self._hits.pop(request_id, None)
         if hit is None:
-            return False
-        return self.core.load(hit, block_ids, num_computed)
+            return None
+        return self.core.start_load(hit, block_ids, num_computed, waves=self.core.config.load_waves)
 
     def observe_prefill(self, new_tokens: int, cached_tokens: int, seconds: float) -> None:
         self.core.observe_prefill(new_tokens, cached_tokens, seconds)

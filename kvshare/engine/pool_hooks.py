@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from kvshare.connector.contract import KVConnector, StoreHandle
+from kvshare.connector.contract import KVConnector, LayerLoad, StoreHandle
 from kvshare.connector.failures import Failures
 from kvshare.engine.block_manager import BlockManager
 from kvshare.engine.sequence import Sequence
@@ -31,20 +31,25 @@ class PoolHooks:
             self._failures.record(f"connector {what}", error)
             return default
 
-    def load_prefix(self, seq: Sequence) -> None:
-        """After allocation: load what the pool holds beyond seq.num_computed into seq's blocks, if any."""
+    def load_prefix(self, seq: Sequence) -> "PoolLoad | None":
+        """After allocation: start loading what the pool holds beyond seq.num_computed into seq's blocks, if any.
+        The tokens count as computed from here on; the engine's forward reads each layer after wait_layer and
+        calls finish_load before the token is sampled, which takes them back if the load failed."""
         tokens = seq.token_ids[: seq.num_tokens]
         n = self._guard("lookup", lambda: self.connector.lookup(seq.request_id, tokens, seq.num_computed, seq.salt), 0)
         if not n or n < 0 or seq.num_computed + n >= len(tokens):  # the last token is always computed, for its logits
             if n:
                 self._guard("release", lambda: self.connector.release(seq.request_id), None)
-            return
-        ok = self._guard("load", lambda: self.connector.load(seq.request_id, seq.block_table, seq.num_computed, n),
-                         False)
-        if ok:
-            seq.num_computed += n
-            seq.pool_hit_tokens += 0 if seq.admitted else n
-            seq.num_stored = max(seq.num_stored, seq.num_computed)
+            return None
+        pending = self._guard("load", lambda: self.connector.start_load(seq.request_id, seq.block_table,
+                                                                        seq.num_computed, n), None)
+        if pending is None:
+            return None
+        loading = PoolLoad(self, pending, seq, (seq.num_computed, seq.pool_hit_tokens, seq.num_stored))
+        seq.num_computed += n
+        seq.pool_hit_tokens += 0 if seq.admitted else n
+        seq.num_stored = max(seq.num_stored, seq.num_computed)
+        return loading
 
     def store(self, seq: Sequence, num_tokens: int) -> None:
         """Store the chunks of seq's first num_tokens tokens (whose K/V exists) not yet in the pool: the full chunks,
@@ -82,3 +87,25 @@ class PoolHooks:
             else:
                 still.append((handle, blocks))
         self.pending = still
+
+
+class PoolLoad:
+    """A pool load under way for one sequence, as the engine's forward sees it: wait_layer before a layer reads its
+    cache, finish once the forward is over. A failed load gives the sequence back the counts it had before it (its
+    loaded tokens are then computed again, by the forward the engine runs next)."""
+
+    def __init__(self, hooks: PoolHooks, pending: LayerLoad, seq: Sequence, before: tuple[int, int, int]):
+        self._hooks, self._pending, self._seq, self._before = hooks, pending, seq, before
+        self._failed = False  # a wait that raised ordered nothing: the load cannot count
+
+    def wait_layer(self, layer: int) -> None:
+        if not self._hooks._guard("load", lambda: self._pending.wait_layer(layer) or True, False):
+            self._failed = True
+
+    def finish(self) -> bool:
+        """Settle the load (exactly once, after the forward's last read of its blocks): True if they count."""
+        ok = self._hooks._guard("load", self._pending.finish, False) and not self._failed
+        if not ok:
+            seq = self._seq
+            seq.num_computed, seq.pool_hit_tokens, seq.num_stored = self._before
+        return ok

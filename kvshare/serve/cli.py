@@ -46,6 +46,10 @@ def register(cli) -> None:
     serve.add_argument("--enforce-eager", action="store_true",
                        help="CUDA: run decode steps eagerly instead of as CUDA graphs captured at start (one per "
                             "batch size 1, 2, 4, ... up to --max-num-seqs; they need the triton backend)")
+    serve.add_argument("--load-waves", type=int, default=4, metavar="N",
+                       help="load a pool hit in N layer waves, each layer's attention running as soon as its layer "
+                            "has landed, so the prompt's new tokens compute while the rest loads; 1 loads it whole "
+                            "first (default: %(default)s)")
     serve.add_argument("--register-piece", default="16GiB",
                        help="CUDA: register the pool's arena for DMA in pieces of at most this size, in the "
                             "background; a transfer waits only for its own pieces (default: %(default)s)")
@@ -112,9 +116,12 @@ def connector_config(args: argparse.Namespace):
     piece = parse_size(args.register_piece)
     if piece <= 0 or args.register_threads < 1:
         raise ValueError("--register-piece must be positive and --register-threads >= 1")
+    if args.load_waves < 1:
+        raise ValueError(f"--load-waves must be >= 1 (1 loads a hit whole before the forward), got {args.load_waves}")
     return ConnectorConfig(address=args.pool, chunk_tokens=args.chunk_tokens, verify_checksums=args.verify_checksums,
                            register_piece=piece, register_threads=args.register_threads,
-                           register_ahead=args.register_ahead, l2_promotion=args.l2_promotion)
+                           register_ahead=args.register_ahead, l2_promotion=args.l2_promotion,
+                           load_waves=args.load_waves)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -33,6 +33,7 @@ from kvshare.transfer.cpu import kept_segments
 from kvshare.transfer.hostmem import Pieces, registration
 from kvshare.transfer.jobs import ChunkPlan, TransferHandle
 from kvshare.transfer.transfer import Transfer, TransferOptions
+from kvshare.transfer.waves import WavePlan
 
 
 @dataclass
@@ -49,6 +50,7 @@ class SlotItem:
     row_offset: int  # where the chunk's rows start in the batch's device index tensor
     j0: int
     j1: int
+    wave: int = 0  # a layered load's wave (kvshare.transfer.waves)
 
 
 class CudaTransfer(Transfer):
@@ -138,21 +140,30 @@ class CudaTransfer(Transfer):
 
     # ---- load --------------------------------------------------------------------------------------------------
     def _load(self, plans: list[ChunkPlan], checksums: bool) -> TransferHandle:
+        return self._load_items(plans, checksums, None)
+
+    def _load_waves(self, plans: list[ChunkPlan], checksums: bool, waves: WavePlan) -> TransferHandle:
+        return self._load_items(plans, checksums, waves)
+
+    def _wave_item_pages(self) -> int:
+        return self.slot_pages
+
+    def _load_items(self, plans: list[ChunkPlan], checksums: bool, waves: WavePlan | None) -> TransferHandle:
         caller = torch.cuda.current_stream(self.device)
         earlier = torch.cuda.Event()
         earlier.record(caller)
         if self.options.ordering == "stream":
             self.gather_stream.wait_event(earlier)  # WAR: earlier kernels may still read the destination blocks
         self._ensure_registered(plans)
-        rows, items = self._prepare(plans)
+        rows, items = self._prepare(plans, waves)
         on_host = checksums and not self.hasher
         # Host hashing reads the arena, which the read lease keeps unchanged: it starts at once, beside the copies.
         host_sums = self.start_checksums(self._extents(plans)) if on_host else []
-        if self.options.side_delay_cycles:
-            with torch.cuda.stream(self.copy_stream):
-                torch.cuda._sleep(self.options.side_delay_cycles)  # validation only: make the load late
-        parts = []
-        for item in items:
+        parts, landed = [], [None] * (len(waves.waves) if waves else 1)
+        for k, item in enumerate(items):
+            if self.options.side_delay_cycles and (k == 0 or items[k - 1].wave != item.wave):
+                with torch.cuda.stream(self.copy_stream):
+                    torch.cuda._sleep(self.options.side_delay_cycles)  # validation only: make the load (wave) late
             slot = self._acquire(self.copy_stream)
             with torch.cuda.stream(self.copy_stream):
                 self._copy_pages(item, slot, to_host=False)
@@ -164,13 +175,31 @@ class CudaTransfer(Transfer):
             if checksums and self.hasher:  # the bytes just read from the arena, hashed beside the scatter
                 parts.append(self._hash(item, slot, copied))
             self._release(slot, *self._readers(self.gather_stream, hashed=checksums))
+            if waves and (k + 1 == len(items) or items[k + 1].wave != item.wave):
+                # After the wave's last scatter, and so after every earlier wave's (one stream, in order).
+                landed[item.wave] = self._finish(self.gather_stream)
         sums = None
         if checksums:
             sums = self._device_checksums(plans, items, parts) if self.hasher else _results(host_sums)
-        handle = _EventHandle(self._finish(self.gather_stream), sums)
+        done = self._finish(self.gather_stream)
+        if waves:
+            return _EventHandle(done, sums, self._layer_ready(landed, waves))
         if self.options.ordering == "stream":
-            caller.wait_event(handle.event)  # I5: later kernels on the caller's stream see the loaded blocks
-        return handle
+            caller.wait_event(done)  # I5: later kernels on the caller's stream see the loaded blocks
+        return _EventHandle(done, sums)
+
+    def _layer_ready(self, landed: list[torch.cuda.Event | None], waves: WavePlan) -> Callable[[int], None]:
+        """I5 per layer for a load in waves: the stream current at the call (the one the layer's attention is
+        queued on) waits on the event of the layer's wave. Every event was recorded before load() returned: a
+        wait_event on an event not yet recorded would wait for nothing."""
+
+        def layer_ready(layer: int) -> None:
+            wave = int(waves.ready[layer])
+            event = landed[wave] if wave >= 0 else None
+            if event is not None and self.options.ordering == "stream":
+                torch.cuda.current_stream(self.device).wait_event(event)
+
+        return layer_ready
 
     def _scatter(self, item: SlotItem, rows: torch.Tensor, slot: _Slot) -> None:
         units = slot.buffer.view(-1, self.layout.block_bytes)
@@ -189,13 +218,15 @@ class CudaTransfer(Transfer):
         if plans:
             self.registration.ensure(np.concatenate([chunk.pages for chunk in plans]))
 
-    def _prepare(self, plans: list[ChunkPlan]) -> tuple[torch.Tensor, list[SlotItem]]:
-        """Upload the batch's unit rows and cut it into slot-sized items."""
-        items, offset = [], 0
-        for chunk in plans:
-            for j0 in range(0, len(chunk.pages), self.slot_pages):
-                items.append(SlotItem(chunk, offset, j0, min(j0 + self.slot_pages, len(chunk.pages))))
-            offset += len(chunk.rows)
+    def _prepare(self, plans: list[ChunkPlan],
+                 waves: WavePlan | None = None) -> tuple[torch.Tensor, list[SlotItem]]:
+        """Upload the batch's unit rows and cut it into slot-sized items: chunk by chunk, or wave by wave."""
+        offsets = np.cumsum([0] + [len(chunk.rows) for chunk in plans])
+        if waves is None:
+            items = [SlotItem(chunk, int(offsets[c]), j0, min(j0 + self.slot_pages, len(chunk.pages)))
+                     for c, chunk in enumerate(plans) for j0 in range(0, len(chunk.pages), self.slot_pages)]
+        else:  # plan_waves cut them to slot_pages (_wave_item_pages)
+            items = [SlotItem(plans[i.chunk], int(offsets[i.chunk]), i.j0, i.j1, i.wave) for i in waves.items]
         host_rows = np.concatenate([chunk.rows for chunk in plans]) if plans else np.zeros(0, np.int64)
         # Allocated while gather_stream is current, the only stream that reads it: its memory is then recycled
         # only after that stream's queued gathers/scatters (the allocator orders reuse per stream). The upload is
@@ -242,8 +273,9 @@ def _results(futures: list) -> Callable[[], list[int]]:
 
 
 class _EventHandle(TransferHandle):
-    def __init__(self, event: torch.cuda.Event, checksums: Callable[[], list[int]] | None):
-        super().__init__(event.query, event.synchronize, checksums)
+    def __init__(self, event: torch.cuda.Event, checksums: Callable[[], list[int]] | None,
+                 layer_ready: Callable[[int], None] = lambda layer: None):
+        super().__init__(event.query, event.synchronize, checksums, layer_ready)
         self.event = event
 
 

@@ -54,11 +54,20 @@ class ChunkPlan:
 
 
 class TransferHandle:
-    """Completion of a batch of transfers. For a store, the source blocks must stay untouched until done() (I4)."""
+    """Completion of a batch of transfers. For a store, the source blocks must stay untouched until done() (I4).
+    A load in waves (Transfer.load's `waves`) is still moving pages when it returns: wait_layer(l) orders what reads
+    layer l's blocks after they landed, wait() everything."""
 
     def __init__(self, is_done: Callable[[], bool] = lambda: True, wait: Callable[[], None] = lambda: None,
-                 checksums: Callable[[], list[int]] | None = None):
+                 checksums: Callable[[], list[int]] | None = None,
+                 layer_ready: Callable[[int], None] = lambda layer: None):
         self._is_done, self._wait, self._checksums = is_done, wait, checksums
+        self._layer_ready = layer_ready
+
+    def wait_layer(self, layer: int) -> None:
+        """Order later reads of `layer`'s loaded blocks (kernels on the current stream, or host reads on a CPU) after
+        its copies. Nothing to do for a load in one wave: it was ordered before load() returned."""
+        self._layer_ready(layer)
 
     def done(self) -> bool:
         return self._is_done()

@@ -13,6 +13,7 @@ from kvshare.transfer.checksum import arena_checksum, start_checksums
 from kvshare.transfer.hostmem import DEFAULT_PIECE_BYTES, DEFAULT_THREADS, unregister_pages
 from kvshare.transfer.jobs import ChunkPlan, LoadJob, StoreJob, TransferHandle, plan
 from kvshare.transfer.layout import KVLayout
+from kvshare.transfer.waves import WavePlan, plan_waves
 
 if TYPE_CHECKING:
     from kvshare.pool.client import PoolClient
@@ -28,8 +29,8 @@ class TransferOptions:
     ordering: "stream" orders every copy after the work it depends on (I4, I5). "none" drops those waits: an
       UNSAFE mode that exists only so `kvshare validate transfer` can show its race test detects the bug.
     staging_bytes / staging_slots: CUDA staging ring, rounded to whole pages (at least one page a slot).
-    side_delay_cycles: validation only: `torch.cuda._sleep` this long on the copy stream before each load, so a
-      consumer that does not wait for the load is caught reading poison.
+    side_delay_cycles: validation only: `torch.cuda._sleep` this long on the copy stream before each load (and
+      each wave of a layered load), so a consumer that does not wait for the load is caught reading poison.
     checksums: where a CUDA transfer computes chunk checksums. "device": on the GPU from the staging slots, beside
       the copies (a load's verification then costs about one slot's hash after its last copy). "host": on host
       threads from the arena, after a store's copies and while a load's run (the design before; CPU transfers
@@ -83,10 +84,20 @@ class Transfer:
         self._zero_tails(plans)
         return self._store(plans)
 
-    def load(self, jobs: Sequence[LoadJob], checksums: bool = False) -> TransferHandle:
+    def load(self, jobs: Sequence[LoadJob], checksums: bool = False, waves: int = 1) -> TransferHandle:
         """Unpack each job's pages into its blocks; every later kernel on the current stream sees the result.
-        checksums=True: the handle's checksums() are computed from the bytes read (to verify against the writer's)."""
-        return self._load(plan(self.space, jobs, self.page_size, self.num_pages, loading=True), checksums)
+        checksums=True: the handle's checksums() are computed from the bytes read (to verify against the writer's).
+
+        waves > 1: move the pages layer wave by layer wave (kvshare.transfer.waves) and return while they move, so
+        the caller can compute on layers that have landed: then I5 holds per layer, after handle.wait_layer(l) (for
+        the blocks of layer l) and after handle.wait() (for all); nothing is ordered when load() returns."""
+        plans = plan(self.space, jobs, self.page_size, self.num_pages, loading=True)
+        if waves < 1:
+            raise ValueError(f"a load needs at least one wave, got {waves}")
+        if waves == 1:
+            return self._load(plans, checksums)
+        return self._load_waves(plans, checksums, plan_waves(plans, self.layout.num_layers, waves,
+                                                             self._wave_item_pages()))
 
     def close(self) -> None:
         """Give the arena back: unregister every DMA piece of it this process registered (CUDA; nothing on a CPU), so
@@ -120,6 +131,13 @@ class Transfer:
 
     def _load(self, plans: list[ChunkPlan], checksums: bool) -> TransferHandle:
         raise NotImplementedError
+
+    def _load_waves(self, plans: list[ChunkPlan], checksums: bool, waves: WavePlan) -> TransferHandle:
+        raise NotImplementedError
+
+    def _wave_item_pages(self) -> int | None:
+        """Most pages one item of a layered load may carry (None: a wave's pages of a chunk in one item)."""
+        return None
 
 
 def make_transfer(

@@ -37,10 +37,12 @@ def prompt_of(length: int, seed: int) -> list[int]:
     return [(seed * 7919 + i * 104729) % 1000 + 3 for i in range(length)]
 
 
-@pytest.mark.parametrize("host_hash, verify", [("numpy", True), ("compiled", True), ("compiled", False)])
-def test_cross_replica_hits_give_the_cache_off_tokens(engines, host_hash, verify, monkeypatch):
-    """Also with the host checksum's C loop (KVSHARE_HOST_HASH=compiled, built before the engines hash anything), and
-    with B not verifying (`--no-verify-checksums`): the answers are the cache-OFF ones either way."""
+@pytest.mark.parametrize("host_hash, verify, waves",
+                         [("numpy", True, 4), ("compiled", True, 1), ("compiled", False, 4)])
+def test_cross_replica_hits_give_the_cache_off_tokens(engines, host_hash, verify, waves, monkeypatch):
+    """Also with the host checksum's C loop (KVSHARE_HOST_HASH=compiled, built before the engines hash anything), with
+    B not verifying (`--no-verify-checksums`), and with B loading in layer waves (the forward reading each layer as
+    it lands) or whole (`--load-waves 1`): the answers are the cache-OFF ones every way."""
     from kvshare.transfer import fused_hash
 
     monkeypatch.setenv("KVSHARE_HOST_HASH", host_hash)
@@ -48,7 +50,7 @@ def test_cross_replica_hits_give_the_cache_off_tokens(engines, host_hash, verify
     off, a, b = engines
     with start_pool("64MiB", page_size="64KiB") as (address, _):
         attach(a, address)
-        connector_b = attach(b, address, verify_checksums=verify)
+        connector_b = attach(b, address, verify_checksums=verify, load_waves=waves)
         # Lengths: partial tails (70, 129), an exact multiple (96: the last chunk must stay uncached for logits).
         for length in (70, 96, 129):
             prompt = prompt_of(length, seed=length)

@@ -26,6 +26,7 @@ class DictConnector:
         self.namespace = Namespace(engine.model_fingerprint, str(engine.dtype), "test-layout", chunk_tokens).key
         self.leases: dict[str, int] = {}
         self.prefills: list[tuple[int, int]] = []  # (new tokens, cached tokens) of each prefill the engine reported
+        self.load_ok = True  # what a load's finish() says
 
     def _blocks(self, block_ids, chunk_index):
         per = self.chunk_tokens // self.engine.block_size
@@ -43,17 +44,20 @@ class DictConnector:
         self.stats.lookup_hit_tokens += n
         return n
 
-    def load(self, request_id, block_ids, num_computed, num_tokens):
+    def start_load(self, request_id, block_ids, num_computed, num_tokens):
         del self.leases[request_id]
-        keys = chunk_keys(self.namespace, self.tokens_of[request_id], self.chunk_tokens)
-        bs = self.engine.block_size
+        self.stats.loads += 1
+        self.started = LazyLoad(self, self.tokens_of[request_id], block_ids, num_computed, num_tokens, ok=self.load_ok)
+        return self.started
+
+    def copy_layer(self, layer, token_ids, block_ids, num_computed, num_tokens):
+        """Layer `layer`'s K/V of tokens [num_computed, num_computed + num_tokens) from the dict into its blocks."""
+        keys = chunk_keys(self.namespace, token_ids, self.chunk_tokens)
+        bs, cache = self.engine.block_size, self.engine.kv_caches[layer]
         for c in range(num_computed // self.chunk_tokens, (num_computed + num_tokens) // self.chunk_tokens):
             blocks = self._blocks(block_ids, c)
             first = max(0, (num_computed - c * self.chunk_tokens) // bs)  # blocks already computed stay untouched
-            for cache, saved in zip(self.engine.kv_caches, self.store_dict[keys[c]]):
-                cache[blocks[first:]] = saved[first:]
-        self.stats.loads += 1
-        return True
+            cache[blocks[first:]] = self.store_dict[keys[c]][layer][first:]
 
     def release(self, request_id):
         self.leases.pop(request_id, None)
@@ -71,6 +75,27 @@ class DictConnector:
                 self.stats.stores += 1
         polls = iter(range(self.store_delay, -1, -1))
         return StoreHandle(is_done=lambda: next(polls, 0) == 0, block_ids=tuple(block_ids))
+
+
+class LazyLoad:
+    """A layer-by-layer load that copies each layer only when the engine asks for it (wait_layer), the rest at
+    finish(): an engine that read a layer's cache before asking would read blocks the load has not written."""
+
+    def __init__(self, connector, *where, ok=True):
+        self.connector, self.where, self.ok = connector, where, ok
+        self.pending = set(range(len(connector.engine.kv_caches)))
+        self.finished = 0  # finish() calls
+
+    def wait_layer(self, layer):
+        if layer in self.pending:
+            self.pending.discard(layer)
+            self.connector.copy_layer(layer, *self.where)
+
+    def finish(self):
+        self.finished += 1
+        for layer in sorted(self.pending):
+            self.wait_layer(layer)
+        return self.ok
 
 
 class RecordingDictConnector(DictConnector):
@@ -165,6 +190,42 @@ def test_failing_connector_changes_nothing(make_engine):
     (expected,) = generate(off, [GenerationRequest("y", p, GREEDY)])
     assert got.token_ids == expected.token_ids and got.finished.finish_reason == "length"
     assert got.finished.usage.pool_hit_tokens == 0 and broken.connector.stats.errors >= 2
+
+
+class CorruptingConnector(RecordingDictConnector):
+    """Loads wrong bytes into every layer and says so only at finish(), after the forward read them (as a checksum
+    mismatch found once the copies are over does); with `raise_on`, wait_layer of that layer raises instead."""
+
+    def __init__(self, engine, store, raise_on=None):
+        super().__init__(engine, store)
+        self.load_ok, self.raise_on = raise_on is not None, raise_on
+
+    def copy_layer(self, layer, token_ids, block_ids, num_computed, num_tokens):
+        if layer == self.raise_on:
+            raise RuntimeError("copy engine fault")
+        super().copy_layer(layer, token_ids, block_ids, num_computed, num_tokens)
+        bs = self.engine.block_size
+        self.engine.kv_caches[layer][block_ids[num_computed // bs : (num_computed + num_tokens) // bs]] *= -3
+
+
+def test_a_load_that_fails_after_the_forward_read_it_changes_no_answer(make_engine):
+    """A layered load is settled after the forward that read its layers: when it fails then (wrong bytes found, or
+    a layer's wait raised), the engine recomputes before sampling. Answers equal cache OFF; no pool hit counted."""
+    pool: dict = {}
+    a, off = make_engine(), make_engine()
+    a.set_connector(RecordingDictConnector(a, pool))
+    p = prompt(100, 7)
+    (expected,) = generate(off, [GenerationRequest("off", p, GREEDY)])
+    generate(a, [GenerationRequest("a", p, GREEDY)])
+    wait_for_stores(a)
+    for raise_on in (None, 1):
+        b = make_engine()
+        b.set_connector(CorruptingConnector(b, pool, raise_on))
+        (got,) = generate(b, [GenerationRequest("b", p, GREEDY)])
+        assert got.token_ids == expected.token_ids
+        assert got.finished.usage.pool_hit_tokens == 0 and b.connector.started.finished == 1
+        assert b.connector.prefills == [(100, 0)]  # the prefill the engine ran in the end
+        assert b.connector.stats.errors == (raise_on is not None)
 
 
 class UnconfirmableConnector(RecordingDictConnector):

@@ -25,13 +25,14 @@ def cases(draw):
     page_size = layout.block_bytes * draw(st.integers(1, 5)) + draw(st.sampled_from([0, 1, 7]))
     chunks = draw(st.integers(1, 2))
     ids = draw(st.permutations(range(layout.num_blocks)))[: 2 * chunks * blocks_per_chunk]
-    return layout, blocks_per_chunk, page_size, chunks, ids, draw(st.booleans()), draw(st.booleans())
+    waves = draw(st.integers(1, 3))  # a load in layer waves moves the same bytes (on the loader thread)
+    return layout, blocks_per_chunk, page_size, chunks, ids, draw(st.booleans()), draw(st.booleans()), waves
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cases())
 def test_round_trip_is_byte_exact(arena, case):
-    layout, bpc, page_size, chunks, ids, fused, skip_first = case
+    layout, bpc, page_size, chunks, ids, fused, skip_first, waves = case
     layers = make_kv(layout, fused=fused)
     need = layout.pages_needed(bpc * layout.block_size, page_size)
     pages = arena(need * chunks + 1, page_size)
@@ -56,7 +57,8 @@ def test_round_trip_is_byte_exact(arena, case):
     before = {(l, b): block_bytes_of(layout, layers[l], b)
               for l in range(layout.num_layers) for b in range(layout.num_blocks)}
     loads = [[SKIP if (skip_first and i == 0) else b for i, b in enumerate(t)] for t in targets]
-    loaded = transfer.load([LoadJob(page_ids[c].tolist(), loads[c]) for c in range(chunks)], checksums=True)
+    loaded = transfer.load([LoadJob(page_ids[c].tolist(), loads[c]) for c in range(chunks)], checksums=True,
+                           waves=waves)
     loaded.wait()
     assert loaded.checksums() == stored_sums
     written = {b: s for c in range(chunks) for b, s in zip(loads[c], sources[c]) if b != SKIP}

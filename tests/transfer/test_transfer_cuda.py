@@ -77,6 +77,36 @@ def test_load_without_ordering_is_seen_unfinished(arena):
     assert not any(_load_under_delay(arena, "none")[0] for _ in range(3))
 
 
+def _layered_load_under_delay(arena, ordering):
+    """A load in 2 waves (layers 0-1, then 2-3: one 64 KiB page each), each wave's copies late by SLEEP: what a
+    consumer of layer 0 sees after wait_layer(0), what one of layer 3 sees after only that wait, and after
+    wait_layer(3); and whether the checksums of the bytes read are the stored ones."""
+    layout, layers, pages, transfer = _setup(arena, ordering, delay=SLEEP)
+    torch.cuda.synchronize()
+    stored = transfer.store([StoreJob(list(range(8)), list(range(4)))]).checksums()
+    rows = [layer.view(torch.uint8).view(layout.num_blocks, -1) for layer in layers]
+    for row in rows:
+        row[32:40] = 0xA5  # poison
+    handle = transfer.load([LoadJob(list(range(4)), list(range(32, 40)))], checksums=True, waves=2)
+    handle.wait_layer(0)
+    first = rows[0][32:40].clone()  # consumer of layer 0
+    early_last = rows[3][32:40].clone()  # a reader of layer 3 that waited for layer 0 only
+    handle.wait_layer(3)
+    last = rows[3][32:40].clone()
+    torch.cuda.synchronize()
+    return (torch.equal(first, rows[0][:8]), bool((early_last == 0xA5).all()), torch.equal(last, rows[3][:8]),
+            handle.checksums() == stored)
+
+
+def test_layered_load_orders_each_layer_before_its_consumer(arena):
+    for _ in range(3):
+        assert _layered_load_under_delay(arena, "stream") == (True, True, True, True)
+
+
+def test_layered_load_without_ordering_is_seen_unfinished(arena):
+    assert not any(_layered_load_under_delay(arena, "none")[0] for _ in range(3))
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("fused", [True, False])
 def test_cuda_round_trip_every_kind(arena, kind, fused):
@@ -92,6 +122,13 @@ def test_cuda_round_trip_every_kind(arena, kind, fused):
     for c in range(3):  # no synchronize: the current stream is ordered after the load (I5)
         assert np.array_equal(reference_chunk(layout, layers, ids[24 + c * 8 : 24 + (c + 1) * 8]),
                               reference_chunk(layout, layers, ids[c * 8 : (c + 1) * 8]))
+    want = reference_chunk(layout, layers, ids[:24])
+    for layer in layers:
+        layer.zero_()  # then again in 3 waves, each layer read after its wait only
+    handle = transfer.load([LoadJob(page_ids[c], ids[24 + c * 8 : 24 + (c + 1) * 8]) for c in range(3)], waves=3)
+    for layer in range(layout.num_layers):
+        handle.wait_layer(layer)
+    assert np.array_equal(reference_chunk(layout, layers, ids[24:48]), want)
 
 
 # 3 heads: 12 KiB blocks, 5 a page, so pages have tails and the last is partial

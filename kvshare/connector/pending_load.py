@@ -1,0 +1,43 @@
+"""A pool load whose copies may still be running: the engine computes on the layers that have landed and settles the
+load once its forward is over (ConnectorCore.start_load)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from kvshare.connector.failures import Failures
+from kvshare.transfer import TransferHandle
+
+
+class PendingLoad:
+    """Invariants: finish() settles the load exactly once (later calls return the first answer) and only after the
+    copies are over: it verifies the bytes where asked, releases the arena and the read lease, and says whether the
+    loaded blocks count as computed. A reader of layer l's loaded blocks calls wait_layer(l) first. Neither raises:
+    a failure of either makes finish() return False, and the engine recomputes what it read (I7)."""
+
+    def __init__(self, handle: TransferHandle | None, settle: Callable[[TransferHandle | None], bool],
+                 failures: Failures):
+        self._handle = handle  # None: nothing was started (finish() says False)
+        self._settle = settle
+        self._failures = failures
+        self._failed = False
+        self._result: bool | None = None
+
+    def wait_layer(self, layer: int) -> None:
+        """Order the caller's next reads of `layer`'s loaded blocks after their copies (kernels on the current
+        stream on a GPU, the caller itself on a CPU)."""
+        if self._handle is None or self._failed:
+            return
+        try:
+            self._handle.wait_layer(layer)
+        except Exception as error:  # noqa: BLE001 - a failed wait makes the load a miss, never a failed request
+            self._failures.record("load", error)
+            self._failed = True
+
+    def finish(self) -> bool:
+        """Wait for the copies, then settle: True if the loaded blocks hold the pool's bytes (verified where
+        verification is on); False if anything failed, and the caller recomputes them."""
+        if self._result is None:
+            ok = self._settle(self._handle)
+            self._result = ok and not self._failed
+        return self._result
