@@ -20,6 +20,7 @@ Dry run on a CPU: python experiments/h200_tail_profile.py run --device cpu --pre
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import os
@@ -115,25 +116,33 @@ def profiled(args) -> None:
     stats = engine.connector.stats
     vocab = min(engine.model_config.vocab_size, 150000)
     out = Path(args.rows)
-    for index, job in enumerate(jobs):
-        if index == 1 and args.settle:  # after the warm-up: let the arena's background registration finish first
+    runs = [(index, job, waves) for index, job in enumerate(jobs)
+            for waves in ([4] if job.get("warmup") else [int(w) for w in args.waves.split(",")])]
+    for n, (index, job, waves) in enumerate(runs):
+        if n == 1 and args.settle:  # after the warm-up: let the arena's background registration finish first
             time.sleep(args.settle)
+        # The load's layer waves (kvshare.transfer.waves), side by side on the same document: B forgets its local
+        # prefix cache first, so each request loads the document from the pool again.
+        engine.connector.core.config = dataclasses.replace(engine.connector.core.config, load_waves=waves)
+        engine.block_manager.hash_to_block.clear()  # the engine is idle between requests
         prompt = document(job["length"], job["seed"], vocab) + document(QUESTIONS, job["question"], vocab)
-        profile_this = index == 2 and not args.plain  # the warm-up, one plain document, then the profiled one
+        profile_this = index == 2 and not args.plain and n == len(runs) - 1  # the last run of the profiled doc
         phases.clear()
         load_before = stats.load_seconds
         if profile_this:
             profiler = EngineThreadProfile(engine, activities)
             profiler.start()
-        ttft, finished = first_token(engine, job["id"], prompt)
+        ttft, finished = first_token(engine, f"{job['id']}-w{waves}-{n}", prompt)
         profile = profiler.stop() if profile_this else None
-        row = dict(job, arm=args.arm, profiled=profile_this, ttft_s=ttft, pool_hit=finished.usage.pool_hit_tokens,
-                   load_call_s=stats.load_seconds - load_before, error=finished.error,
+        row = dict(job, arm=args.arm, waves=waves, profiled=profile_this, ttft_s=ttft,
+                   pool_hit=finished.usage.pool_hit_tokens, load_call_s=stats.load_seconds - load_before,
+                   error=finished.error,
                    **{f"{name}_s": phases.get(name, 0.0) for name in PHASES})
         row["other_s"] = (ttft or 0.0) - sum(phases.get(name, 0.0) for name in PHASES)
         with open(out, "a") as f:
             f.write(json.dumps(row) + "\n")
-        print(f"  B {args.arm} {job['length']} {'profiled' if profile_this else 'plain   '}: TTFT {ttft:.3f} s "
+        kind = "profiled" if profile_this else "plain   "
+        print(f"  B {args.arm} {job['length']} w{waves} {kind}: TTFT {ttft:.3f} s "
               + " ".join(f"{name} {phases.get(name, 0.0):.3f}" for name in PHASES)
               + f" other {row['other_s']:.3f}", flush=True)
         if profile_this:
@@ -168,7 +177,7 @@ def orchestrate(ns) -> None:
             spawn("replica", ns, clock, 40, script=__file__, role="A", arm=arm,
                   jobs=jobs_file([ns.length], [ns.docs], question=10, warmup=ns.warmup))
             spawn("profiled", ns, clock, 20, script=__file__, rows=out / "phases.jsonl", arm=arm, settle=ns.settle,
-                  trace=int(ns.trace), plain=int(ns.plain),
+                  trace=int(ns.trace), plain=int(ns.plain), waves=ns.waves,
                   jobs=jobs_file([ns.length], [ns.docs], question=20, warmup=ns.warmup))
     summarize(out)
 
@@ -176,24 +185,28 @@ def orchestrate(ns) -> None:
 def summarize(out: Path) -> None:
     path = out / "phases.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    lines = ["| KV | request | n | TTFT s | load call s | " + " | ".join(f"{p} s" for p in PHASES) + " | other s |",
-             "| --- " * (6 + len(PHASES)) + "|"]
+    lines = ["| KV | waves | request | n | TTFT s (min-max) | load call s | " + " | ".join(f"{p} s" for p in PHASES)
+             + " | other s |", "| --- " * (7 + len(PHASES)) + "|"]
     for arm in ("fp8", "bf16"):
-        for profiled_rows in (False, True):
-            group = [r for r in rows if r["arm"] == arm and not r.get("warmup") and r["profiled"] == profiled_rows
-                     and r["ttft_s"] is not None]
-            if not group:
-                continue
-
-            def med(key, group=group):
-                return f"{statistics.median(r[key] for r in group):.3f}"
-
-            lines.append(f"| {arm} | {'profiled' if profiled_rows else 'plain'} | {len(group)} | {med('ttft_s')} | "
-                         f"{med('load_call_s')} | " + " | ".join(med(f"{p}_s") for p in PHASES)
-                         + f" | {med('other_s')} |")
+        for waves in sorted({r.get("waves", 1) for r in rows}):
+            for profiled_rows in (False, True):
+                group = [r for r in rows if r["arm"] == arm and not r.get("warmup") and r["profiled"] == profiled_rows
+                         and r["ttft_s"] is not None and r.get("waves", 1) == waves]
+                if group:
+                    lines.append(_summary_row(arm, waves, profiled_rows, group))
     text = "\n".join(lines)
     (out / "summary.md").write_text(text + "\n")
     print(text, flush=True)
+
+
+def _summary_row(arm: str, waves: int, profiled_rows: bool, group: list[dict]) -> str:
+    def med(key):
+        return f"{statistics.median(r[key] for r in group):.3f}"
+
+    spread = f"{min(r['ttft_s'] for r in group):.3f}-{max(r['ttft_s'] for r in group):.3f}"
+    return (f"| {arm} | {waves} | {'profiled' if profiled_rows else 'plain'} | {len(group)} | {med('ttft_s')} "
+            f"({spread}) | {med('load_call_s')} | " + " | ".join(med(f"{p}_s") for p in PHASES)
+            + f" | {med('other_s')} |")
 
 
 def main() -> None:
@@ -213,6 +226,8 @@ def main() -> None:
     run.add_argument("--plain", action="store_true", help="B times TTFT only: no phase timers, no profile")
     run.add_argument("--arms", default="fp8,bf16")
     run.add_argument("--docs", type=int, default=3, help="documents A stores and B loads, per arm")
+    run.add_argument("--waves", default="4", help="B loads each document once per value: the load's layer waves "
+                                                  "(1 = whole before the forward), side by side")
     for name in ("replica", "profiled"):
         child = sub.add_parser(name)
         for flag in ("--pool", "--rows", "--model", "--device", "--role", "--arm", "--jobs"):
@@ -221,6 +236,7 @@ def main() -> None:
         child.add_argument("--settle", type=float, default=0.0)
         child.add_argument("--trace", type=int, default=0)
         child.add_argument("--plain", type=int, default=0)
+        child.add_argument("--waves", default="4")
     ns = parser.parse_args()
     if ns.mode == "replica":
         from h200_run12 import replica
