@@ -171,7 +171,10 @@ def orchestrate(ns) -> None:
     out.mkdir(parents=True, exist_ok=True)
     ns.rows = Path(tempfile.mkdtemp()) / "store_rows.jsonl"  # A's rows: the log shows them; $OUT keeps 8 files
     ns.model = str(make_model(ns.preset, Path(tempfile.mkdtemp()) / ns.preset))
-    with start_pool(ns.pool_size, page_size="2MiB", check_integrity=False, timeout=120) as (address, _):
+    # No per-client lease limit (default: half the arena): one replica at a time here, and a 256k bf16 prompt is
+    # 64 GiB, more than half of any pool this host can hold beside it.
+    with start_pool(ns.pool_size, page_size="2MiB", check_integrity=False, timeout=120,
+                    max_leased_pages_per_client=0) as (address, _):
         ns.address = address
         for arm in ns.arms.split(","):
             spawn("replica", ns, clock, 40, script=__file__, role="A", arm=arm,
