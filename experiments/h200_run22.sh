@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 19, run 22 on one H200 (~7 minutes): (a) the CUDA tests never run on a GPU yet (layered loads' per-layer
 # ordering, graph decode == eager decode, the final tail setting), (b) the transfer floor, (c) cross-replica ON at
-# 128k with the load in 1, 4 and 8 layer waves side by side, bf16 and fp8, two documents each
+# 128k with the load in 1, 2, 4 and 8 layer waves side by side, bf16 and fp8, two documents each
 # (experiments/h200_tail_profile.py --plain --waves).
 #   OUT=/some/dir bash experiments/h200_run22.sh
 set -uo pipefail
@@ -16,5 +16,5 @@ echo "pytest exit ${PIPESTATUS[0]} after $((SECONDS - start)) s"
 timeout 60 python3 experiments/h200_floor.py 2>&1 | tee "$OUT/floor.txt"
 timeout $((${TAIL_S:-330} + 10)) python3 experiments/h200_tail_profile.py run --out "$OUT/waves128k" \
   --budget "${TAIL_S:-330}" --settle 14 --length 131072 --max-model-len 135168 --pool-size 72GiB --arms bf16,fp8 \
-  --docs 2 --plain --waves 1,4,8 2>&1 | grep -E "B |\|" | tail -16
+  --docs 2 --plain --waves 1,2,4,8 2>&1 | grep -E "B |\|" | tail -30
 echo "waves exit $? after $((SECONDS - start)) s"
