@@ -34,7 +34,7 @@ class PoolHooks:
     def load_prefix(self, seq: Sequence) -> "PoolLoad | None":
         """After allocation: start loading what the pool holds beyond seq.num_computed into seq's blocks, if any.
         The tokens count as computed from here on; the engine's forward reads each layer after wait_layer and
-        calls finish_load before the token is sampled, which takes them back if the load failed."""
+        calls PoolLoad.finish before the token is sampled, which takes them back if the load failed."""
         tokens = seq.token_ids[: seq.num_tokens]
         n = self._guard("lookup", lambda: self.connector.lookup(seq.request_id, tokens, seq.num_computed, seq.salt), 0)
         if not n or n < 0 or seq.num_computed + n >= len(tokens):  # the last token is always computed, for its logits
