@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from kvshare import checksum
-from kvshare.transfer import fused_hash
+from kvshare.transfer import fused_hash, hash_kernel
 
 # Host hashing threads. numpy passes retake the GIL, so more threads fight over it (and over the engine thread's
 # turns) instead of hashing faster: 4 threads reached 5.0 GB/s on the H200 host, 16 threads 3.7 (run 10). The
@@ -77,6 +77,8 @@ class DeviceHasher:
         self.device, self.page_size, self.used_per_page = device, page_size, used_per_page
         self.stream = torch.cuda.Stream(device)
         self._coefficients: dict[int, torch.Tensor] = {}  # chunk nbytes -> int64 [pages, used_per_page // 8]
+        # One Triton kernel where it runs (kvshare.transfer.hash_kernel: 2 launches a slot instead of 9), same bits.
+        self._terms_sum = hash_kernel.terms_sum if hash_kernel.available(device) else torch_terms_sum
 
     @staticmethod
     def supports(page_size: int, used_per_page: int, block_bytes: int) -> bool:
@@ -89,7 +91,7 @@ class DeviceHasher:
         self.stream.wait_event(ready)  # RAW on staging: hash only the bytes the gather (store) / copy (load) put there
         with torch.cuda.stream(self.stream):
             words = staging[: j1 - j0].view(torch.int64)  # [pages, used_per_page // 8]
-            return torch_terms_sum(words, self._rows(nbytes)[j0:j1])
+            return self._terms_sum(words, self._rows(nbytes)[j0:j1])
 
     def finish(self, parts: list[torch.Tensor], owners: list[int], extents: list[int]) -> Callable[[], list[int]]:
         """Copy every part to the host (one copy, on the hash stream) and return the function that waits for it and
