@@ -12,6 +12,8 @@ so a phase holds its own GPU work:
 schedule (the scheduler's step, LOOKUP included), load (the connector's load_prefix), prefill (the tail's forward),
 sample; "other" is TTFT minus their sum. The synchronizes add a little; the unprofiled TTFT of run 12's B rows is the
 reference for the total. Output: phases.jsonl, profile_<arm>.txt (the top ops by CUDA and by CPU time), summary.md.
+--plain: TTFT only, and "enqueue", the host's time in load_prefix (unsynchronized: with the load in layer waves,
+--waves, it returns once every copy is queued, so a value near the copy's time means the host paces the load).
 
 Dry run on a CPU: python experiments/h200_tail_profile.py run --device cpu --preset tiny --length 512 \
     --max-model-len 2048 --warmup 256 --pool-size 256MiB --out /tmp/tail --budget 200
@@ -106,7 +108,10 @@ def profiled(args) -> None:
     engine.set_connector(PoolConnector.for_engine(engine, ConnectorConfig(address=args.pool, timeout=60.0)))
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     phases: dict[str, float] = {}
-    if not args.plain:  # --plain: no phase timers (their synchronizes), no profile: TTFT as a client sees it
+    if args.plain:  # --plain: no phase timers (their synchronizes), no profile: TTFT as a client sees it; only the
+        # host's time in load_prefix, which queues the load's copies (no sync: a load in waves returns while they run)
+        engine.pool.load_prefix = _timed(phases, "enqueue", engine.pool.load_prefix, lambda: None)
+    else:
         engine.scheduler.schedule = _timed(phases, "schedule", engine.scheduler.schedule, sync)
         engine.pool.load_prefix = _timed(phases, "load", engine.pool.load_prefix, sync)
         engine.runner.prefill = _timed(phases, "prefill", engine.runner.prefill, sync)
@@ -136,13 +141,13 @@ def profiled(args) -> None:
         profile = profiler.stop() if profile_this else None
         row = dict(job, arm=args.arm, waves=waves, profiled=profile_this, ttft_s=ttft,
                    pool_hit=finished.usage.pool_hit_tokens, load_call_s=stats.load_seconds - load_before,
-                   error=finished.error,
+                   error=finished.error, enqueue_s=phases.pop("enqueue", 0.0),
                    **{f"{name}_s": phases.get(name, 0.0) for name in PHASES})
         row["other_s"] = (ttft or 0.0) - sum(phases.get(name, 0.0) for name in PHASES)
         with open(out, "a") as f:
             f.write(json.dumps(row) + "\n")
         kind = "profiled" if profile_this else "plain   "
-        print(f"  B {args.arm} {job['length']} w{waves} {kind}: TTFT {ttft:.3f} s "
+        print(f"  B {args.arm} {job['length']} w{waves} {kind}: TTFT {ttft:.3f} s enqueue {row['enqueue_s']:.3f} "
               + " ".join(f"{name} {phases.get(name, 0.0):.3f}" for name in PHASES)
               + f" other {row['other_s']:.3f}", flush=True)
         if profile_this:
@@ -188,8 +193,8 @@ def orchestrate(ns) -> None:
 def summarize(out: Path) -> None:
     path = out / "phases.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    lines = ["| KV | waves | request | n | TTFT s (min-max) | load call s | " + " | ".join(f"{p} s" for p in PHASES)
-             + " | other s |", "| --- " * (7 + len(PHASES)) + "|"]
+    lines = ["| KV | waves | request | n | TTFT s (min-max) | load call s | enqueue s | "
+             + " | ".join(f"{p} s" for p in PHASES) + " | other s |", "| --- " * (8 + len(PHASES)) + "|"]
     for arm in ("fp8", "bf16"):
         for waves in sorted({r.get("waves", 1) for r in rows}):
             for profiled_rows in (False, True):
@@ -208,7 +213,8 @@ def _summary_row(arm: str, waves: int, profiled_rows: bool, group: list[dict]) -
 
     spread = f"{min(r['ttft_s'] for r in group):.3f}-{max(r['ttft_s'] for r in group):.3f}"
     return (f"| {arm} | {waves} | {'profiled' if profiled_rows else 'plain'} | {len(group)} | {med('ttft_s')} "
-            f"({spread}) | {med('load_call_s')} | " + " | ".join(med(f"{p}_s") for p in PHASES)
+            f"({spread}) | {med('load_call_s')} | {statistics.median(r.get('enqueue_s', 0.0) for r in group):.3f} | "
+            + " | ".join(med(f"{p}_s") for p in PHASES)
             + f" | {med('other_s')} |")
 
 
