@@ -313,8 +313,9 @@ class ConnectorCore:
         if ok:
             self.stats.loads += 1
             self.stats.load_bytes += sum(hit.nbytes)
-            # A load in waves is settled after the forward that overlapped it: its seconds then include that
-            # forward's last wave of layers (a lower rate for the L2 decision: recompute is chosen a little sooner).
+            # The reference engine settles a load after the forward that overlapped it (start_load): its seconds
+            # then include the layers that ran after the last copy (a lower rate for the L2 decision: recompute is
+            # chosen a little sooner); load() settles at once.
             self.stats.load_seconds += time.perf_counter() - started
         else:
             self.stats.load_failures += 1
