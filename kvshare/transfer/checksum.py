@@ -48,6 +48,11 @@ def _hashers() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="kvshare-hash", initializer=run_on_every_cpu)
 
 
+def results_of(futures: list[Future] | None) -> Callable[[], list[int]] | None:
+    """The function that waits for each future of start_checksums and gives their checksums (None for None)."""
+    return None if futures is None else (lambda: [future.result() for future in futures])
+
+
 def start_checksums(pages: np.ndarray, chunks: Iterable[tuple[Sequence[int], int]],
                     before: Callable[[], None] = lambda: None) -> list[Future]:
     """arena_checksum of each (page ids, nbytes), computed on the hashing threads after `before()` returns (e.g. a

@@ -11,14 +11,13 @@ the GIL), numpy until then.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from kvshare.transfer import fused_hash
-from kvshare.transfer.checksum import run_on_every_cpu
+from kvshare.transfer.checksum import results_of, run_on_every_cpu
 from kvshare.transfer.jobs import ChunkPlan, TransferHandle
 from kvshare.transfer.transfer import Transfer, TransferOptions
 from kvshare.transfer.waves import WavePlan
@@ -40,13 +39,13 @@ class CpuTransfer(Transfer):
                     for view, offset in zip(group.views, self.space.run_offsets):
                         out = units[a - u0 : b - u0, offset : offset + self.space.run_bytes]
                         torch.index_select(view, 0, rows[a:b], out=out)  # writes the page in place
-        return TransferHandle(checksums=_results(self.start_checksums(self._extents(plans))))
+        return TransferHandle(checksums=results_of(self.start_checksums(self._extents(plans))))
 
     def _load(self, plans: list[ChunkPlan], checksums: bool) -> TransferHandle:
         hashing = self.start_checksums(self._extents(plans)) if checksums else None
         for chunk in plans:
             self._load_pages(chunk, torch.from_numpy(chunk.rows), 0, len(chunk.pages))
-        return TransferHandle(checksums=_results(hashing))
+        return TransferHandle(checksums=results_of(hashing))
 
     def _load_waves(self, plans: list[ChunkPlan], checksums: bool, waves: WavePlan) -> TransferHandle:
         """The copies on the loader thread, wave after wave, each wave's event set once its pages are in the blocks;
@@ -73,7 +72,7 @@ class CpuTransfer(Transfer):
             if wave >= 0:
                 landed[wave].wait()
 
-        return TransferHandle(is_done=copying.done, wait=copying.result, checksums=_results(hashing),
+        return TransferHandle(is_done=copying.done, wait=copying.result, checksums=results_of(hashing),
                               layer_ready=layer_ready)
 
     def _load_pages(self, chunk: ChunkPlan, rows: torch.Tensor, j0: int, j1: int) -> None:
@@ -102,10 +101,6 @@ class CpuTransfer(Transfer):
     def _page_units(self, page: int) -> torch.Tensor:
         used = self.units_per_page * self.layout.block_bytes
         return self.pages[page, :used].view(self.units_per_page, self.layout.block_bytes)
-
-
-def _results(futures: list[Future] | None) -> Callable[[], list[int]] | None:
-    return None if futures is None else (lambda: [future.result() for future in futures])
 
 
 def kept_segments(rows: np.ndarray, a: int, b: int) -> list[tuple[int, int]]:

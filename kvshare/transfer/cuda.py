@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kvshare.transfer.blocks import BlockSpace
-from kvshare.transfer.checksum import DeviceHasher
+from kvshare.transfer.checksum import DeviceHasher, results_of
 from kvshare.transfer.cpu import kept_segments
 from kvshare.transfer.hostmem import Pieces, registration
 from kvshare.transfer.jobs import ChunkPlan, TransferHandle
@@ -127,7 +127,7 @@ class CudaTransfer(Transfer):
         if self.hasher:
             return _EventHandle(done, self._device_checksums(plans, items, parts))
         # Host hashing reads the arena, so it waits for the copies that write it.
-        return _EventHandle(done, _results(self.start_checksums(self._extents(plans), before=done.synchronize)))
+        return _EventHandle(done, results_of(self.start_checksums(self._extents(plans), before=done.synchronize)))
 
     def _gather(self, item: SlotItem, rows: torch.Tensor, slot: _Slot) -> None:
         units = slot.buffer.view(-1, self.layout.block_bytes)  # [slot_pages * upp, block_bytes]
@@ -180,7 +180,7 @@ class CudaTransfer(Transfer):
                 landed[item.wave] = self._finish(self.gather_stream)
         sums = None
         if checksums:
-            sums = self._device_checksums(plans, items, parts) if self.hasher else _results(host_sums)
+            sums = self._device_checksums(plans, items, parts) if self.hasher else results_of(host_sums)
         done = self._finish(self.gather_stream)
         if waves:
             return _EventHandle(done, sums, self._layer_ready(landed, waves))
@@ -266,10 +266,6 @@ class CudaTransfer(Transfer):
         done = torch.cuda.Event()
         done.record(last)  # after the batch's last operation (every earlier one precedes it via the events above)
         return done
-
-
-def _results(futures: list) -> Callable[[], list[int]]:
-    return lambda: [future.result() for future in futures]
 
 
 class _EventHandle(TransferHandle):
