@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 19, run 22 on one H200 (~7 minutes): (a) the CUDA tests never run on a GPU yet (layered loads' per-layer
-# ordering, graph decode == eager decode, the final tail setting), (b) the transfer floor, (c) cross-replica ON at
+# ordering, graph decode == eager decode, the final tail setting, the checksum kernel) and `kvshare validate
+# transfer` (half its trials in layer waves), (b) the transfer floor, (c) cross-replica ON at
 # 128k with the load in 1, 2, 4 and 8 layer waves side by side, bf16 and fp8, two documents each
 # (experiments/h200_tail_profile.py --plain --waves).
 #   OUT=/some/dir bash experiments/h200_run22.sh
@@ -13,6 +14,7 @@ export PYTHONPATH=/tmp/site:.:experiments PYTHONUNBUFFERED=1
 timeout 150 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/transfer/test_transfer_cuda.py \
   tests/transfer/test_waves.py tests/engine 2>&1 | tee "$OUT/pytest.txt" | tail -4
 echo "pytest exit ${PIPESTATUS[0]} after $((SECONDS - start)) s"
+timeout 90 python3 -m kvshare validate transfer --device cuda --trials 20 --json "$OUT/validate.json" 2>&1 | tail -6
 timeout 60 python3 experiments/h200_floor.py 2>&1 | tee "$OUT/floor.txt"
 timeout $((${TAIL_S:-330} + 10)) python3 experiments/h200_tail_profile.py run --out "$OUT/waves128k" \
   --budget "${TAIL_S:-330}" --settle 14 --length 131072 --max-model-len 135168 --pool-size 72GiB --arms bf16,fp8 \
