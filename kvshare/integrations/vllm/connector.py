@@ -99,7 +99,7 @@ class KVShareConnector(KVConnectorBase_V1):
         self._worker.load(self._metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv already finished every layer
+        self._worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:

@@ -1,8 +1,13 @@
 """The connector's worker half: attaches vLLM's KV tensors, runs the step's loads and stores, reports completions.
 
 Invariants:
-- Loads run in start_load_kv, which vLLM calls before the forward of a step with synchronous loads, and return
-  only when the bytes are in the blocks (ConnectorCore.load waits), so attention never reads a block early (I5).
+- Loads start in start_load_kv, which vLLM calls before the forward of a step with synchronous loads. With
+  load_waves 1 (kv_connector_extra_config) each is in the blocks, for every later kernel, when it returns. With more
+  waves the pages move wave by wave (kvshare.transfer.waves) and vLLM's attention layer calls wait_for_layer_load
+  before it reads a layer (vllm/model_executor/layers/attention/kv_transfer_utils.py), which orders that read after
+  the layer's copies (I5 per layer). Loads are settled (copies waited, checksums compared) in wait_for_save or
+  get_block_ids_with_load_errors, both after the forward; a load any of whose layers was never waited for counts as
+  failed, since attention may have read that layer early.
 - Stores run in wait_for_save, after the forward that wrote the KV; on CUDA the transfer layer orders its copy
   after the current stream's work (I4). A request with stores is reported in get_finished only once every copy
   out of its blocks is done, and the scheduler half keeps its blocks allocated until then.
@@ -20,6 +25,7 @@ import torch
 
 from kvshare.connector import ConnectorCore
 from kvshare.connector.contract import StoreHandle
+from kvshare.connector.pending_load import PendingLoad
 from kvshare.integrations.vllm.metadata import KVShareMetadata, KVShareWorkerMetadata, LoadSpec
 from kvshare.transfer import KVLayout, LayoutMismatch
 
@@ -35,6 +41,10 @@ class WorkerSide:
         self._finishing: set[str] = set()  # finished by vLLM, waiting for their copies
         self._loaded: list[str] = []  # loads ended this step (reported to the scheduler half)
         self._invalid: set[int] = set()  # blocks of failed loads this step
+        self._pending: list[tuple[LoadSpec, PendingLoad | None]] = []  # this step's loads, until settled
+        self._waited: set[int] = set()  # layers vLLM waited for this step
+        self._layer_index: dict[str, int] = {}  # vLLM's layer name -> index in the registered KV caches
+        self._warned_unwaited = False
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
         layout = KVLayout.from_tensors(list(kv_caches.values()), kind=self.expected.kind,
@@ -44,26 +54,57 @@ class WorkerSide:
                 f"vLLM registered KV caches {layout.describe()} but its config describes {self.expected.describe()}"
             )
         self.core.attach(layout, list(kv_caches.values()))
+        self._layer_index = {name: index for index, name in enumerate(kv_caches)}
         log.info("kvshare connector attached: %s, %s", layout.describe(), self.core.namespace().describe())
         return layout
 
     # ---- per step ------------------------------------------------------------------------------------------
     def load(self, meta: KVShareMetadata) -> None:
-        for spec in meta.loads:
-            if not self._load_one(spec):
-                self._invalid.update(spec.block_range(self.expected.block_size))
-            self._loaded.append(spec.req_id)
+        """start_load_kv: start every load of the step (settle_loads ends them)."""
+        self.settle_loads()  # a step whose loads were never settled (none expected): end them first
+        self._pending = [(spec, self._start_one(spec)) for spec in meta.loads]
 
-    def _load_one(self, spec: LoadSpec) -> bool:
+    def _start_one(self, spec: LoadSpec) -> PendingLoad | None:
         hit = spec.hit
         if hit.end - spec.num_computed != spec.num_tokens:
             log.warning("vLLM accepted %d external tokens of a %d-token pool hit; recomputing them",
                         spec.num_tokens, hit.end - spec.num_computed)
-            return False
-        # release=False: the read lease is the scheduler process's; it ends it when this step's output arrives.
-        return self.core.load(hit, spec.block_ids, spec.num_computed, release=False)
+            return None
+        # release=False: the read lease is the scheduler process's; it ends it when this step's output arrives,
+        # which is after settle_loads has waited for the copies.
+        return self.core.start_load(hit, spec.block_ids, spec.num_computed, waves=self.core.config.load_waves,
+                                    release=False)
+
+    def wait_layer(self, layer_name: str) -> None:
+        """wait_for_layer_load: order the layer's reads after its copies, for every load of the step."""
+        index = self._layer_index.get(layer_name)
+        if index is None or not self._pending:
+            return
+        self._waited.add(index)
+        for _, pending in self._pending:
+            if pending is not None:
+                pending.wait_layer(index)
+
+    def settle_loads(self) -> None:
+        """After the forward: wait for the step's loads and record the blocks of those that failed."""
+        layered = self.core.config.load_waves > 1
+        unwaited = layered and self._pending and len(self._waited) < len(self._layer_index)
+        if unwaited and not self._warned_unwaited:
+            self._warned_unwaited = True  # once: the same vLLM would do it every step
+            log.warning("vLLM did not wait for %d layer(s) of this step's pool loads; counting such loads as failed "
+                        "(set \"load_waves\": 1 in kv_connector_extra_config to load whole before the forward)",
+                        len(self._layer_index) - len(self._waited))
+        for spec, pending in self._pending:
+            if pending is not None and unwaited:
+                pending.discard()
+            ok = pending is not None and pending.finish()
+            if not ok:
+                self._invalid.update(spec.block_range(self.expected.block_size))
+            self._loaded.append(spec.req_id)
+        self._pending, self._waited = [], set()
 
     def save(self, meta: KVShareMetadata) -> None:
+        self.settle_loads()  # first: the loads' copies are over before any store of this step reads blocks
         for spec in meta.stores:
             handle = self.core.store(spec.token_ids, spec.block_ids, spec.num_stored, spec.salt, spec.tail)
             # Tracked even when the store was skipped (None): the scheduler half delays every request it sent.
@@ -90,5 +131,6 @@ class WorkerSide:
         return KVShareWorkerMetadata(loaded) if loaded else None
 
     def take_invalid(self) -> set[int]:
+        self.settle_loads()  # vLLM may skip wait_for_save (deferred finalization): settle here too
         invalid, self._invalid = self._invalid, set()
         return invalid
