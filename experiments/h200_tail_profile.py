@@ -121,6 +121,10 @@ def profiled(args) -> None:
     stats = engine.connector.stats
     vocab = min(engine.model_config.vocab_size, 150000)
     out = Path(args.rows)
+    # B only loads: its store of a prompt's tail (the document's last blocks and the question) would make the next
+    # request of the same document hit those blocks too, a shorter tail than the first's, and bias a comparison of
+    # waves run one after the other.
+    engine.pool.store = lambda seq, num_tokens: None
     runs = [(index, job, waves) for index, job in enumerate(jobs)
             for waves in ([4] if job.get("warmup") else [int(w) for w in args.waves.split(",")])]
     for n, (index, job, waves) in enumerate(runs):

@@ -8,7 +8,10 @@ compute overlaps the copy, and only the last wave's layers run after it. Waves s
 
 Units are layer-major inside a chunk (kvshare.transfer.layout), so a wave's units of one chunk are one run of its
 pages. A page can hold units of several layers; it belongs to the wave of its last layer, and a layer is whole only
-after the wave of the last page that holds any of its units (`ready`). Invariants (tests/transfer/test_waves.py):
+after the wave of the last page that holds any of its units (`ready`). So that a wave's first layer starts a page,
+each wave start moves up to the next layer that begins a page of the batch's largest chunk (a 2 MiB page holds 8
+layers of a small model's chunk: a wave starting at layer 6 would share that page with the wave before, which then
+holds nothing; docs/results/cpu-load-waves). Invariants (tests/transfer/test_waves.py):
 every page of every chunk is in exactly one item; items of a wave come after those of every earlier wave; every
 page holding a unit of layer l is in a wave <= ready[l].
 """
@@ -36,6 +39,18 @@ def wave_starts(num_layers: int, waves: int) -> tuple[int, ...]:
     return tuple(starts)
 
 
+def page_aligned(starts: tuple[int, ...], num_layers: int, blocks_per_chunk: int,
+                 units_per_page: int) -> tuple[int, ...]:
+    """Each start moved up to the first layer at or after it whose first unit begins a page (layer l's units begin
+    at l * blocks_per_chunk); starts that reach the end, or meet the one before, are dropped."""
+    aligned = [0]
+    for start in starts[1:]:
+        layer = next((l for l in range(start, num_layers) if l * blocks_per_chunk % units_per_page == 0), num_layers)
+        if aligned[-1] < layer < num_layers:
+            aligned.append(layer)
+    return tuple(aligned)
+
+
 @dataclass(frozen=True)
 class WaveItem:
     """Pages [j0, j1) of chunk `chunk` (an index into the batch's plans), all in wave `wave`."""
@@ -57,8 +72,11 @@ class WavePlan:
 
 
 def plan_waves(plans: list[ChunkPlan], num_layers: int, waves: int, max_pages: int | None = None) -> WavePlan:
-    """The order of a batch's pages for a load in `waves` waves, each item at most `max_pages` pages."""
+    """The order of a batch's pages for a load in at most `waves` waves, each item at most `max_pages` pages."""
     starts = wave_starts(num_layers, waves)
+    if plans:
+        largest = max(plans, key=lambda chunk: chunk.blocks_per_chunk)
+        starts = page_aligned(starts, num_layers, largest.blocks_per_chunk, largest.units_per_page)
     ready = np.full(num_layers, -1, dtype=np.int64)
     per_wave: list[list[WaveItem]] = [[] for _ in starts]
     for c, chunk in enumerate(plans):

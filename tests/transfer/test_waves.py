@@ -24,6 +24,18 @@ def test_waves_halve_towards_the_end():
         wave_starts(8, 0)
 
 
+def test_wave_starts_move_to_page_boundaries():
+    """The CPU case of docs/results/cpu-load-waves: 12 layers of 16 blocks, 128 units a page (layers 0-7, 8-11).
+    Waves starting at 0 and 6 would put both pages in the second wave; aligned, page 0 is the first wave."""
+    chunk = ChunkPlan(np.arange(12 * 16), np.arange(2), 16, 128)
+    plan = plan_waves([chunk, chunk], 12, 2)
+    assert [(item.j0, item.j1, item.wave) for item in plan.items] == [(0, 1, 0), (0, 1, 0), (1, 2, 1), (1, 2, 1)]
+    assert plan.ready.tolist() == [0] * 8 + [1] * 4
+    assert plan_waves([chunk], 12, 4).ready.tolist() == [0] * 8 + [1] * 4  # 6, 9, 11 -> 8: two waves at most
+    qwen_bf16 = ChunkPlan(np.arange(64 * 16), np.arange(32), 16, 32)  # 2 layers a page: the halving starts stay
+    assert len(plan_waves([qwen_bf16], 64, 4).waves) == 4 and plan_waves([qwen_bf16], 64, 4).ready[47] == 1
+
+
 @st.composite
 def batches(draw):
     layers = draw(st.integers(1, 12))
