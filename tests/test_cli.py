@@ -92,6 +92,12 @@ def test_serve_with_a_missing_model_folder_prints_one_line(tmp_path):
     assert f"model folder {tmp_path / 'nonexistent'} not found" in line and "kvshare make-model" in line
 
 
+def test_serve_with_no_load_waves_prints_one_line(tmp_path):
+    line = one_line_error(kvshare("serve", "--model", str(tmp_path), "--pool", str(tmp_path / "pool.sock"),
+                                  "--load-waves", "0"))
+    assert "--load-waves must be >= 1" in line
+
+
 def test_serve_with_a_folder_that_is_no_model_prints_one_line(tmp_path):
     line = one_line_error(kvshare("serve", "--model", str(tmp_path)))
     assert "has no config.json" in line
