@@ -12,5 +12,5 @@ export PYTHONPATH=/tmp/site:.:experiments PYTHONUNBUFFERED=1
 timeout 60 python3 experiments/h200_floor.py 2>&1 | tee "$OUT/floor.txt"
 timeout $((${TAIL_S:-520} + 10)) python3 experiments/h200_tail_profile.py run --out "$OUT/waves256k" \
   --budget "${TAIL_S:-520}" --settle 14 --length 258048 --max-model-len 262144 --pool-size 72GiB --arms fp8,bf16 \
-  --docs 1 --plain --waves 1,4 2>&1 | grep -E "A |B |\||==" | tail -16
+  --docs 1 --plain --waves 1,2 2>&1 | grep -E "A |B |\||==" | tail -16
 echo "waves exit $? after $((SECONDS - start)) s"
