@@ -232,7 +232,10 @@ class CausalLM(nn.Module):
         there, or be made so by before_attention(i) before layer i reads them) and return the logits of the last
         position (1, vocab). `in_place`: see DecoderLayer.prefill."""
         h = self.model.embed_tokens(token_ids)  # (T, hidden), updated in place layer by layer
-        cos, sin = rotary.tables(torch.arange(start, start + len(token_ids), device=token_ids.device))
+        # No host synchronization from here to the logits (Rotary.tables would read the positions' maximum back):
+        # the host queues the whole forward while a pool load it waits for is still copying.
+        rotary.ensure(start + len(token_ids))
+        cos, sin = rotary.lookup(torch.arange(start, start + len(token_ids), device=token_ids.device))
         plan = tail_plan(block_table, start, len(token_ids), self.config.num_heads, kv_caches[0], h.dtype, in_place)
         for index, (layer, cache) in enumerate(zip(self.model.layers, kv_caches)):
             ready = None if before_attention is None else functools.partial(before_attention, index)

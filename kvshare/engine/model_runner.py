@@ -103,10 +103,19 @@ class ModelRunner:
     def prefill(self, seq: Sequence, before_attention: Callable[[int], None] | None = None) -> torch.Tensor:
         """Compute K/V of seq's tokens [num_computed, num_tokens); logits of the last one (1, vocab).
         before_attention(i) runs before layer i's attention reads the cache (a pool load in waves)."""
-        tokens = torch.tensor(seq.token_ids[seq.num_computed :], device=self.device)
-        table = torch.tensor(seq.block_table, device=self.device)
+        tokens = self._to_device(seq.token_ids[seq.num_computed :])
+        table = self._to_device(seq.block_table)
         return self.model.prefill(tokens, seq.num_computed, self.kv_caches, table, self.rotary,
                                   self.config.prefill_chunk, in_place=self.paged, before_attention=before_attention)
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """An int64 device tensor of `values` whose copy does not make the host wait: from pinned memory, queued on
+        the current stream. That stream may be waiting for a pool load (its last event, or a layer's): a blocking
+        copy would hold the host there until the load is over and only then let it queue the forward's ~3,900
+        kernels, ~0.1 s of a 128k hit's TTFT after the copy on an H200 (runs 22, 25). The pinned buffer is kept by
+        torch's caching host allocator until the copy has run."""
+        host = torch.tensor(values, dtype=torch.int64)
+        return host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """One step for each sequence's newest token; logits (B, vocab)."""
