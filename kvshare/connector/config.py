@@ -23,8 +23,9 @@ class ConnectorConfig:
     register_piece: int = 16 << 30  # CUDA replicas register the arena for DMA in pieces of at most this many bytes,
     register_threads: int = 4  # on this many background threads (a transfer waits only for its own pieces),
     register_ahead: bool = True  # all pieces from the start; False: only pieces a transfer touches (hostmem.py)
-    load_waves: int = 4  # a hit loads in this many layer waves, the forward reading each layer once that layer has
-    # landed (kvshare.transfer.waves); 1: the whole load before the forward
+    load_waves: int = 1  # a hit loads in this many layer waves, the forward reading each layer once that layer has
+    # landed (kvshare.transfer.waves); 1: the whole load before the forward (the default: H200 runs 22-26, 2 waves
+    # matched 1 and 4 were host-bound; docs/architecture.md)
 
 
 # kv_connector_extra_config key -> (ConnectorConfig field, how its value is read). "model_id" is the namespace's.
