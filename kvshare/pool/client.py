@@ -173,8 +173,16 @@ class PoolClient:
             if self._broken:
                 raise PoolUnavailable(f"connection to pool {self._address} is closed: connect again")
             try:
-                self._sock.sendall(p.frame(request))
-                reply = p.reply_decoder.decode(self._recv_frame())
+                try:
+                    self._sock.sendall(p.frame(request))
+                except (BrokenPipeError, ConnectionResetError):
+                    # A pool that refuses a connection (busy: --max-connections) answers and closes it at once; a
+                    # request sent after that close fails, but the answer may still be in the socket: it says why.
+                    self._broken = True
+                    reply = p.reply_decoder.decode(self._recv_frame())
+                    self._sock.close()
+                else:
+                    reply = p.reply_decoder.decode(self._recv_frame())
             except (OSError, EOFError, msgspec.DecodeError) as error:
                 # After a timeout a late reply could be mistaken for the next one: this connection is done.
                 self._broken = True

@@ -8,6 +8,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -185,6 +186,40 @@ def test_connections_beyond_the_limit_are_told_busy_and_closed():
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
+
+
+def test_a_busy_refusal_is_reported_when_the_request_meets_the_closed_socket(tmp_path, monkeypatch):
+    """A busy pool answers and closes before it reads the client's ATTACH; the ATTACH then meets a closed socket
+    (broken pipe). The client still reports the pool's reason, not the pipe (seen once in CI, under load)."""
+    from kvshare.pool import client as client_module
+
+    path = str(tmp_path / "busy.sock")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen(1)
+    closed = threading.Event()
+
+    def refuse():
+        connection, _ = server.accept()
+        connection.sendall(p.frame(p.Error(p.ErrorCode.BUSY, "the pool has 4 connections (--max-connections)")))
+        connection.close()
+        closed.set()
+
+    threading.Thread(target=refuse, daemon=True).start()
+    open_socket = client_module._open_socket
+
+    def open_then_wait_for_the_refusal(address, timeout):
+        sock = open_socket(address, timeout)
+        assert closed.wait(10)  # the refusal is in the socket and the pool's end is closed before the ATTACH
+        return sock
+
+    monkeypatch.setattr(client_module, "_open_socket", open_then_wait_for_the_refusal)
+    try:
+        with pytest.raises(PoolError) as error:
+            PoolClient.connect(path, map_arena=False)
+    finally:
+        server.close()
+    assert "max-connections" in str(error.value) and error.value.code == p.ErrorCode.BUSY
 
 
 def test_serve_refuses_a_socket_path_that_is_not_a_socket(tmp_path):
