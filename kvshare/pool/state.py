@@ -230,9 +230,10 @@ class PoolState:
         their last reader (index.condemn). Keys not committed in this namespace are ignored. Any client may discard,
         as any client may CLEAR: the pool trusts its clients (docs/security.md)."""
         self._check_namespace(namespace)
+        for key in keys:  # all checked before any is removed: a refused DISCARD changes nothing
+            _check_key(key, "DISCARD key")
         removed = 0
         for key in keys:
-            _check_key(key, "DISCARD key")
             entry = self.index.committed.get(key)
             if entry is None or entry.namespace != namespace:
                 continue
