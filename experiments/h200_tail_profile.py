@@ -14,6 +14,9 @@ sample; "other" is TTFT minus their sum. The synchronizes add a little; the unpr
 reference for the total. Output: phases.jsonl, profile_<arm>.txt (the top ops by CUDA and by CPU time), summary.md.
 --plain: TTFT only, and "enqueue", the host's time in load_prefix (unsynchronized: with the load in layer waves,
 --waves, it returns once every copy is queued, so a value near the copy's time means the host paces the load).
+--timeline: B profiles every run of its last document with named ranges and no synchronize (the GPU streams keep
+their overlap) and prints each request's timeline (experiments/request_timeline.py): when the pool's copies end, the
+forward's GPU work after them, the host's ranges; trace_<arm>_w<waves>.json.gz and timelines.jsonl beside the rows.
 
 Dry run on a CPU: python experiments/h200_tail_profile.py run --device cpu --preset tiny --length 512 \
     --max-model-len 2048 --warmup 256 --pool-size 256MiB --out /tmp/tail --budget 200
@@ -108,7 +111,9 @@ def profiled(args) -> None:
     engine.set_connector(PoolConnector.for_engine(engine, ConnectorConfig(address=args.pool, timeout=60.0)))
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     phases: dict[str, float] = {}
-    if args.plain:  # --plain: no phase timers (their synchronizes), no profile: TTFT as a client sees it; only the
+    if args.timeline:  # named ranges only (no synchronize): the profiled request's GPU streams keep their overlap
+        _annotate(engine, engine_module)
+    elif args.plain:  # --plain: no phase timers (their synchronizes), no profile: TTFT as a client sees it; only the
         # host's time in load_prefix, which queues the load's copies (no sync: a load in waves returns while they run)
         engine.pool.load_prefix = _timed(phases, "enqueue", engine.pool.load_prefix, lambda: None)
     else:
@@ -135,7 +140,10 @@ def profiled(args) -> None:
         engine.connector.core.config = dataclasses.replace(engine.connector.core.config, load_waves=waves)
         engine.block_manager.hash_to_block.clear()  # the engine is idle between requests
         prompt = document(job["length"], job["seed"], vocab) + document(QUESTIONS, job["question"], vocab)
-        profile_this = index == 2 and not args.plain and n == len(runs) - 1  # the last run of the profiled doc
+        if args.timeline:  # every run of the last document (one per waves value), profiled without synchronizes
+            profile_this = index == len(jobs) - 1
+        else:
+            profile_this = index == 2 and not args.plain and n == len(runs) - 1  # the last run of the profiled doc
         phases.clear()
         load_before = stats.load_seconds
         if profile_this:
@@ -151,10 +159,12 @@ def profiled(args) -> None:
         with open(out, "a") as f:
             f.write(json.dumps(row) + "\n")
         kind = "profiled" if profile_this else "plain   "
-        print(f"  B {args.arm} {job['length']} w{waves} {kind}: TTFT {ttft:.3f} s enqueue {row['enqueue_s']:.3f} "
+        print(f"  B {args.arm} {job['length']} w{waves} {kind}: TTFT {ttft or float('nan'):.3f} s enqueue {row['enqueue_s']:.3f} "
               + " ".join(f"{name} {phases.get(name, 0.0):.3f}" for name in PHASES)
               + f" other {row['other_s']:.3f}", flush=True)
-        if profile_this:
+        if profile_this and args.timeline:
+            _write_timeline(profile, out.with_name(f"trace_{args.arm}_w{waves}.json"), row)
+        elif profile_this:
             sort_cuda = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
             averages = profile.key_averages()
             text = (f"# {args.arm} {job['length']} tokens, TTFT {ttft:.3f} s\n\n## by self CUDA time\n"
@@ -169,6 +179,50 @@ def profiled(args) -> None:
                 trace.unlink()
     engine.connector.close()
     engine.shutdown()
+
+
+def _annotate(engine, engine_module) -> None:
+    """Name the request's steps in the trace (record_function ranges, nothing synchronized): the scheduler's step,
+    the pool's LOOKUP and the load's start, the forward, the load's settling, sampling and the token's emission."""
+    from torch.profiler import record_function
+
+    def named(name, fn):
+        def wrapper(*args, **kwargs):
+            with record_function(f"range:{name}"):
+                return fn(*args, **kwargs)
+        return wrapper
+
+    connector = engine.pool.connector
+    start_load = connector.start_load
+
+    def start_load_named(*args, **kwargs):
+        with record_function("range:start_load"):
+            pending = start_load(*args, **kwargs)
+        if pending is not None:
+            pending.finish = named("finish", pending.finish)
+        return pending
+
+    connector.lookup = named("lookup", connector.lookup)
+    connector.start_load = start_load_named
+    engine.scheduler.schedule = named("schedule", engine.scheduler.schedule)
+    engine.runner.prefill = named("prefill", engine.runner.prefill)
+    engine._postprocess = named("postprocess", engine._postprocess)
+    engine_module.sample = named("sample", engine_module.sample)
+
+
+def _write_timeline(profile, trace: Path, row: dict) -> None:
+    """The request's chrome trace (gzip) and its summary (experiments/request_timeline.py), printed and added to the
+    rows file."""
+    from request_timeline import load_trace, render, timeline
+
+    profile.export_chrome_trace(str(trace))
+    summary = timeline(load_trace(trace))
+    with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+        shutil.copyfileobj(raw, packed)
+    trace.unlink()
+    print(f"  timeline {row['arm']} w{row['waves']} (TTFT {row['ttft_s']}):\n" + render(summary), flush=True)
+    with open(trace.with_name("timelines.jsonl"), "a") as f:
+        f.write(json.dumps(dict(arm=row["arm"], waves=row["waves"], ttft_s=row["ttft_s"], **summary)) + "\n")
 
 
 def orchestrate(ns) -> None:
@@ -189,7 +243,7 @@ def orchestrate(ns) -> None:
             spawn("replica", ns, clock, 40, script=__file__, role="A", arm=arm,
                   jobs=jobs_file([ns.length], [ns.docs], question=10, warmup=ns.warmup))
             spawn("profiled", ns, clock, 20, script=__file__, rows=out / "phases.jsonl", arm=arm, settle=ns.settle,
-                  trace=int(ns.trace), plain=int(ns.plain), waves=ns.waves,
+                  trace=int(ns.trace), plain=int(ns.plain), timeline=int(ns.timeline), waves=ns.waves,
                   jobs=jobs_file([ns.length], [ns.docs], question=20, warmup=ns.warmup))
     summarize(out)
 
@@ -237,6 +291,9 @@ def main() -> None:
     run.add_argument("--settle", type=float, default=0.0, help="B sleeps this long after its warm-up (registration)")
     run.add_argument("--trace", action="store_true", help="also write the profiled request's chrome trace (gzip)")
     run.add_argument("--plain", action="store_true", help="B times TTFT only: no phase timers, no profile")
+    run.add_argument("--timeline", action="store_true",
+                     help="B profiles each run of its last document with named ranges and no synchronize, and writes "
+                          "its chrome trace and timeline (experiments/request_timeline.py)")
     run.add_argument("--arms", default="fp8,bf16")
     run.add_argument("--docs", type=int, default=3, help="documents A stores and B loads, per arm")
     run.add_argument("--waves", default="4", help="B loads each document once per value: the load's layer waves "
@@ -249,6 +306,7 @@ def main() -> None:
         child.add_argument("--settle", type=float, default=0.0)
         child.add_argument("--trace", type=int, default=0)
         child.add_argument("--plain", type=int, default=0)
+        child.add_argument("--timeline", type=int, default=0)
         child.add_argument("--waves", default="4")
     ns = parser.parse_args()
     if ns.mode == "replica":
