@@ -159,7 +159,8 @@ def profiled(args) -> None:
         with open(out, "a") as f:
             f.write(json.dumps(row) + "\n")
         kind = "profiled" if profile_this else "plain   "
-        print(f"  B {args.arm} {job['length']} w{waves} {kind}: TTFT {ttft or float('nan'):.3f} s enqueue {row['enqueue_s']:.3f} "
+        shown = float("nan") if ttft is None else ttft
+        print(f"  B {args.arm} {job['length']} w{waves} {kind}: TTFT {shown:.3f} s enqueue {row['enqueue_s']:.3f} "
               + " ".join(f"{name} {phases.get(name, 0.0):.3f}" for name in PHASES)
               + f" other {row['other_s']:.3f}", flush=True)
         if profile_this and args.timeline:

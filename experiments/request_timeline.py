@@ -98,7 +98,8 @@ def render(summary: dict) -> str:
         return summary["error"]
     lines = ["host ranges (ms from range:schedule): name n first-start last-end total"]
     for name, h in sorted(summary["host"].items(), key=lambda kv: kv[1]["first_start_ms"]):
-        lines.append(f"  {name:18s} {h['n']:5d} {h['first_start_ms']:9.1f} {h['last_end_ms']:9.1f} {h['total_ms']:9.1f}")
+        lines.append(f"  {name:18s} {h['n']:5d} {h['first_start_ms']:9.1f} {h['last_end_ms']:9.1f} "
+                     f"{h['total_ms']:9.1f}")
     lines.append("GPU streams: stream kernels h2d d2h other first-start last-end busy")
     for name, s in sorted(summary["streams"].items(), key=lambda kv: kv[1]["first_start_ms"]):
         lines.append(f"  {name:6s} {s['kernels']:6d} {s['h2d']:5d} {s['d2h']:4d} {s['other_copies']:5d} "
