@@ -74,7 +74,8 @@ def replica(args) -> None:
         engine.set_connector(PoolConnector.for_engine(engine, config))
     logits: list = []
     original = engine.runner.prefill
-    engine.runner.prefill = lambda seq: logits.append(original(seq)) or logits[-1]  # keep first-token logits
+    # keep first-token logits (the runner's keyword arguments: a pool load's layer waits, the staged inputs)
+    engine.runner.prefill = lambda seq, **kwargs: logits.append(original(seq, **kwargs)) or logits[-1]
     ready = time.perf_counter() - started
     with open(args.rows, "a") as out:
         for job in jobs:

@@ -33,8 +33,8 @@ def engine_with_logits(model: str, device: str, dtype: str) -> tuple[Engine, lis
     logits: list = []
     original = engine.runner.prefill
 
-    def prefill_keeping_logits(seq):
-        result = original(seq)
+    def prefill_keeping_logits(seq, **kwargs):  # the runner's keyword arguments: layer waits, staged inputs
+        result = original(seq, **kwargs)
         logits.append(result.float().cpu())  # a copy for the comparison; the engine samples from its own tensor
         return result
 

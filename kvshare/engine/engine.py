@@ -17,7 +17,7 @@ from kvshare.connector.contract import KVConnector
 from kvshare.engine.api import EngineLoad, EventCallback, GenerationRequest, TokenEvent, TokenLogprobs, Usage
 from kvshare.engine.block_manager import BlockManager
 from kvshare.engine.config import EngineConfig
-from kvshare.engine.model_runner import ModelRunner
+from kvshare.engine.model_runner import ModelRunner, StagedInputs
 from kvshare.engine.pool_hooks import PoolHooks, PoolLoad
 from kvshare.engine.sampler import RowFailure, Sampled, sample
 from kvshare.engine.scheduler import Batch, Scheduler
@@ -118,24 +118,26 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return False
+        # A prefill's inputs go to the device before a pool load queues its copies (ModelRunner.stage says why).
+        staged = self.runner.stage(batch.seqs[0]) if batch.is_prefill else None
         loading = self.pool.load_prefix(batch.seqs[0]) if batch.is_prefill and self.pool else None
         started = time.perf_counter()
-        results = self._run(batch.is_prefill, batch.seqs, loading)  # sampled: the device's work is over
+        results = self._run(batch.is_prefill, batch.seqs, loading, staged)  # sampled: the device's work is over
         if batch.is_prefill and self.pool:  # the connector's L2 decision weighs promotion against this prefill time
             # num_computed is still what the prefill started from (a failed load took its tokens back)
             self.pool.observe_prefill(batch.seqs[0], batch.seqs[0].num_computed, time.perf_counter() - started)
         self._postprocess(batch, results)
         return True
 
-    def _run(self, is_prefill: bool, seqs: list[Sequence],
-             loading: PoolLoad | None = None) -> list[Sampled | RowFailure]:
+    def _run(self, is_prefill: bool, seqs: list[Sequence], loading: PoolLoad | None = None,
+             staged: StagedInputs | None = None) -> list[Sampled | RowFailure]:
         """Model step and sampling: a token, or a failure, per request. A step that fails for several requests is run
         again one request at a time (running a decode again only rewrites the K/V of the same positions), so a request
         that fails alone fails alone and the others go on. A failed step counts as the request's own (another replica
         would fail it too) only when another request of the batch went on: a step that fails for every request, or for
         the only one, may be the replica's fault."""
         try:
-            logits = self._prefill(seqs[0], loading) if is_prefill else self.runner.decode(seqs)
+            logits = self._prefill(seqs[0], loading, staged) if is_prefill else self.runner.decode(seqs)
         except Exception as error:  # noqa: BLE001 - one request's failure must not end the others
             if len(seqs) == 1:
                 log.warning("model step of request %s failed: %r", seqs[0].request_id, error)
@@ -147,17 +149,17 @@ class Engine:
             return results
         return sample(logits, seqs)
 
-    def _prefill(self, seq: Sequence, loading: PoolLoad | None):
+    def _prefill(self, seq: Sequence, loading: PoolLoad | None, staged: StagedInputs | None = None):
         """The prefill's logits. With a pool load under way, each layer's attention waits for its layer's copies and
         the load is settled before anything is sampled: if it failed (copies, or verification of bytes the forward
         may already have read), the loaded tokens are computed again and those logits are the answer."""
         if loading is None:
-            return self.runner.prefill(seq)
+            return self.runner.prefill(seq, staged=staged)
         try:
-            logits = self.runner.prefill(seq, before_attention=loading.wait_layer)
+            logits = self.runner.prefill(seq, before_attention=loading.wait_layer, staged=staged)
         finally:
             loaded = loading.finish()  # also when the forward raised: the lease and the arena are given back
-        return logits if loaded else self.runner.prefill(seq)
+        return logits if loaded else self.runner.prefill(seq, staged=staged)
 
     def _loop(self) -> None:
         while True:

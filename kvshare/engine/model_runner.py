@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -20,6 +21,23 @@ from kvshare.units import format_size
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 2 << 30  # at most; the default is 4 max-length sequences' worth, capped here
+
+
+@dataclass(frozen=True)
+class StagedInputs:
+    """A prefill's inputs on the device (ModelRunner.stage): tokens [start, num_tokens) and the block table as they
+    were when staged. Valid for the same engine step only (nothing allocates blocks between staging and the forward)."""
+
+    start: int
+    num_tokens: int
+    num_blocks: int
+    tokens: torch.Tensor
+    table: torch.Tensor
+
+    def covers(self, seq: Sequence) -> bool:
+        """Whether seq's forward can take its inputs from here: same tokens and table, computed no further back."""
+        return (self.num_tokens == seq.num_tokens and self.num_blocks == len(seq.block_table)
+                and self.start <= seq.num_computed < self.num_tokens)
 
 
 class ModelRunner:
@@ -100,11 +118,27 @@ class ModelRunner:
         chunk = c.prefill_chunk * (3 * m.intermediate_size + 2 * m.hidden_size) * e
         return sequence + chunk + (1 << 30) + (2 << 30)
 
-    def prefill(self, seq: Sequence, before_attention: Callable[[int], None] | None = None) -> torch.Tensor:
+    def stage(self, seq: Sequence) -> StagedInputs:
+        """Queue the upload of a prefill's inputs (its tokens from num_computed on, and its block table) now.
+
+        Why before a pool load: a GPU runs the host->device copies of all streams through one copy queue, in the
+        order they were queued. The forward's inputs uploaded after a load's copies were queued wait for every one
+        of them (H200 run 27: the tail's first kernel of a 128k hit in 2 layer waves started after the last copy,
+        ~0.27 s after wave 0 had landed); uploaded first, they arrive at once and the forward runs each layer as soon
+        as its wave has landed."""
+        return StagedInputs(seq.num_computed, seq.num_tokens, len(seq.block_table),
+                            self._to_device(seq.token_ids[seq.num_computed :]), self._to_device(seq.block_table))
+
+    def prefill(self, seq: Sequence, before_attention: Callable[[int], None] | None = None,
+                staged: StagedInputs | None = None) -> torch.Tensor:
         """Compute K/V of seq's tokens [num_computed, num_tokens); logits of the last one (1, vocab).
-        before_attention(i) runs before layer i's attention reads the cache (a pool load in waves)."""
-        tokens = self._to_device(seq.token_ids[seq.num_computed :])
-        table = self._to_device(seq.block_table)
+        before_attention(i) runs before layer i's attention reads the cache (a pool load in waves); `staged`: inputs
+        stage() uploaded earlier in this step (a pool load since then only moved num_computed forward)."""
+        if staged is not None and staged.covers(seq):
+            tokens, table = staged.tokens[seq.num_computed - staged.start :], staged.table  # a view: no copy
+        else:
+            tokens = self._to_device(seq.token_ids[seq.num_computed :])
+            table = self._to_device(seq.block_table)
         return self.model.prefill(tokens, seq.num_computed, self.kv_caches, table, self.rotary,
                                   self.config.prefill_chunk, in_place=self.paged, before_attention=before_attention)
 

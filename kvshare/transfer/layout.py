@@ -48,7 +48,7 @@ class KVLayout:
     # ---- sizes -------------------------------------------------------------------------------------------------
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize  # no tensor made: plan() asks for it per chunk (2,049 times for a 128k load)
 
     @property
     def block_bytes(self) -> int:

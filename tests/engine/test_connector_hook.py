@@ -228,6 +228,43 @@ def test_a_load_that_fails_after_the_forward_read_it_changes_no_answer(make_engi
         assert b.connector.stats.errors == (raise_on is not None)
 
 
+class OrderConnector(RecordingDictConnector):
+    """Notes in `events` when a load starts (its copies would be queued)."""
+
+    def start_load(self, request_id, block_ids, num_computed, num_tokens):
+        self.events.append("start_load")
+        return super().start_load(request_id, block_ids, num_computed, num_tokens)
+
+
+def test_a_prefill_uploads_its_inputs_before_a_pool_load_starts(make_engine):
+    """On a GPU every host->device copy goes through one queue in the order queued: inputs uploaded after a load's
+    copies would wait for all of them (ModelRunner.stage). So the forward uploads nothing once the load started,
+    and its answer is the one of inputs uploaded in the forward (cache OFF)."""
+    pool: dict = {}
+    a, b, off = make_engine(), make_engine(), make_engine()
+    a.set_connector(RecordingDictConnector(a, pool))
+    b.set_connector(OrderConnector(b, pool))
+    events = b.connector.events = []
+    upload, prefill = b.runner._to_device, b.runner.prefill
+    b.runner._to_device = lambda values: events.append("upload") or upload(values)
+
+    def recorded_prefill(seq, **kwargs):
+        events.append("prefill")
+        logits = prefill(seq, **kwargs)
+        events.append("prefill done")
+        return logits
+
+    b.runner.prefill = recorded_prefill
+    p = prompt(100, 11)
+    generate(a, [GenerationRequest("a", p, GREEDY)])
+    wait_for_stores(a)
+    (got,) = generate(b, [GenerationRequest("b", p, GREEDY)])
+    (expected,) = generate(off, [GenerationRequest("off", p, GREEDY)])
+    assert got.token_ids == expected.token_ids and got.finished.usage.pool_hit_tokens == 96
+    # tokens and block table, then the load, then a forward that uploads nothing
+    assert events[: events.index("prefill done") + 1] == ["upload", "upload", "start_load", "prefill", "prefill done"]
+
+
 class UnconfirmableConnector(RecordingDictConnector):
     """A store whose completion cannot be confirmed: its handle's done() raises (a connector bug)."""
 
