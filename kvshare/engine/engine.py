@@ -118,9 +118,12 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return False
-        # A prefill's inputs go to the device before a pool load queues its copies (ModelRunner.stage says why).
-        staged = self.runner.stage(batch.seqs[0]) if batch.is_prefill else None
-        loading = self.pool.load_prefix(batch.seqs[0]) if batch.is_prefill and self.pool else None
+        seq = batch.seqs[0]
+        hit = self.pool.find_prefix(seq) if batch.is_prefill and self.pool else 0
+        # A prefill's inputs (the tokens after the hit) go to the device before a pool load queues its copies
+        # (ModelRunner.stage says why).
+        staged = self.runner.stage(seq, seq.num_computed + hit) if batch.is_prefill else None
+        loading = self.pool.load_prefix(seq, hit) if hit else None
         started = time.perf_counter()
         results = self._run(batch.is_prefill, batch.seqs, loading, staged)  # sampled: the device's work is over
         if batch.is_prefill and self.pool:  # the connector's L2 decision weighs promotion against this prefill time

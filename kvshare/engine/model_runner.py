@@ -118,16 +118,18 @@ class ModelRunner:
         chunk = c.prefill_chunk * (3 * m.intermediate_size + 2 * m.hidden_size) * e
         return sequence + chunk + (1 << 30) + (2 << 30)
 
-    def stage(self, seq: Sequence) -> StagedInputs:
-        """Queue the upload of a prefill's inputs (its tokens from num_computed on, and its block table) now.
+    def stage(self, seq: Sequence, start: int) -> StagedInputs:
+        """Queue the upload of a prefill's inputs (its tokens from `start` on, and its block table) now: `start` is
+        where the forward will begin if the pool load about to start succeeds (a failed one starts it earlier and
+        uploads its own).
 
         Why before a pool load: a GPU runs the host->device copies of all streams through one copy queue, in the
         order they were queued. The forward's inputs uploaded after a load's copies were queued wait for every one
         of them (H200 run 27: the tail's first kernel of a 128k hit in 2 layer waves started after the last copy,
         ~0.27 s after wave 0 had landed); uploaded first, they arrive at once and the forward runs each layer as soon
         as its wave has landed."""
-        return StagedInputs(seq.num_computed, seq.num_tokens, len(seq.block_table),
-                            self._to_device(seq.token_ids[seq.num_computed :]), self._to_device(seq.block_table))
+        return StagedInputs(start, seq.num_tokens, len(seq.block_table),
+                            self._to_device(seq.token_ids[start:]), self._to_device(seq.block_table))
 
     def prefill(self, seq: Sequence, before_attention: Callable[[int], None] | None = None,
                 staged: StagedInputs | None = None) -> torch.Tensor:

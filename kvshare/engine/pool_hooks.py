@@ -31,16 +31,21 @@ class PoolHooks:
             self._failures.record(f"connector {what}", error)
             return default
 
-    def load_prefix(self, seq: Sequence) -> "PoolLoad | None":
-        """After allocation: start loading what the pool holds beyond seq.num_computed into seq's blocks, if any.
-        The tokens count as computed from here on; the engine's forward reads each layer after wait_layer and
-        calls PoolLoad.finish before the token is sampled, which takes them back if the load failed."""
+    def find_prefix(self, seq: Sequence) -> int:
+        """After allocation: LOOKUP what the pool holds beyond seq.num_computed; the tokens to load (under the
+        connector's read lease until load_prefix or its release), or 0."""
         tokens = seq.token_ids[: seq.num_tokens]
         n = self._guard("lookup", lambda: self.connector.lookup(seq.request_id, tokens, seq.num_computed, seq.salt), 0)
         if not n or n < 0 or seq.num_computed + n >= len(tokens):  # the last token is always computed, for its logits
             if n:
                 self._guard("release", lambda: self.connector.release(seq.request_id), None)
-            return None
+            return 0
+        return n
+
+    def load_prefix(self, seq: Sequence, n: int) -> "PoolLoad | None":
+        """Start loading the n tokens find_prefix found into seq's blocks. The tokens count as computed from here
+        on; the engine's forward reads each layer after wait_layer and calls PoolLoad.finish before the token is
+        sampled, which takes them back if the load failed."""
         pending = self._guard("load", lambda: self.connector.start_load(seq.request_id, seq.block_table,
                                                                         seq.num_computed, n), None)
         if pending is None:
