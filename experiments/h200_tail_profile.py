@@ -9,9 +9,10 @@ counted), document 1 timed by phase, document 2 timed by phase under torch.profi
 by phase (--settle: B first sleeps that long after its warm-up, so the arena's background registration is over;
 --trace: the profiled request's chrome trace too). Phases, on the engine thread, each closed by a CUDA synchronize
 so a phase holds its own GPU work:
-schedule (the scheduler's step, LOOKUP included), load (the connector's load_prefix), prefill (the tail's forward),
-sample; "other" is TTFT minus their sum. The synchronizes add a little; the unprofiled TTFT of run 12's B rows is the
-reference for the total. Output: phases.jsonl, profile_<arm>.txt (the top ops by CUDA and by CPU time), summary.md.
+schedule (the scheduler's step), load (the connector's load_prefix: the load's start, after the LOOKUP), prefill (the
+tail's forward), sample; "other" is TTFT minus their sum (the LOOKUP and the inputs' upload are in it). The
+synchronizes add a little; the unprofiled TTFT of run 12's B rows is the reference for the total. Output:
+phases.jsonl, profile_<arm>.txt (the top ops by CUDA and by CPU time), summary.md.
 --plain: TTFT only, and "enqueue", the host's time in load_prefix (unsynchronized: with the load in layer waves,
 --waves, it returns once every copy is queued, so a value near the copy's time means the host paces the load).
 --timeline: B profiles every run of its last document with named ranges and no synchronize (the GPU streams keep

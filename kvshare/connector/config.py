@@ -24,8 +24,9 @@ class ConnectorConfig:
     register_threads: int = 4  # on this many background threads (a transfer waits only for its own pieces),
     register_ahead: bool = True  # all pieces from the start; False: only pieces a transfer touches (hostmem.py)
     load_waves: int = 1  # a hit loads in this many layer waves, the forward reading each layer once that layer has
-    # landed (kvshare.transfer.waves); 1: the whole load before the forward (the default: H200 runs 22-26, 2 waves
-    # matched 1 and 4 were host-bound; docs/architecture.md)
+    # landed (kvshare.transfer.waves); 1: the whole load before the forward. 1 here, for vLLM, whose CUDA forward
+    # with waves could not be measured (vLLM for CUDA cannot be installed on the test GPU); `kvshare serve` defaults
+    # to 2, measured on its engine (H200 runs 28-29; docs/architecture.md)
 
 
 # kv_connector_extra_config key -> (ConnectorConfig field, how its value is read). "model_id" is the namespace's.
