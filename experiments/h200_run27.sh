@@ -5,12 +5,7 @@
 # (b) the storing request vs cache OFF and ON at 32k, in-process replicas A then B, blocks OFF-ON-ON-OFF
 # (experiments/h200_cross_replica.py; two 32B replicas do not fit one H200 at once).
 #   OUT=/some/dir bash experiments/h200_run27.sh
-set -uo pipefail
-OUT=${OUT:-out/run27}
-mkdir -p "$OUT"
-start=$SECONDS
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:.:experiments PYTHONUNBUFFERED=1
+source experiments/h200_setup.sh run27
 timeout $((${TAIL_S:-250} + 10)) python3 experiments/h200_tail_profile.py run --out "$OUT/tail128k" \
   --budget "${TAIL_S:-250}" --settle 14 --length 131072 --max-model-len 135168 --pool-size 72GiB --arms bf16 \
   --docs 2 --waves 1,2 --timeline 2>&1 | grep -vE "^(==|USDT|ERROR: External)" | tee "$OUT/tail.txt" | tail -60

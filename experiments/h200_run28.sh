@@ -5,14 +5,8 @@
 # (experiments/h200_tail_profile.py --timeline: per arm two documents plain, the third under the profiler with no
 # synchronize; only the bf16 traces of 2 and 3 waves are kept, the others' timelines are in timelines.jsonl).
 #   OUT=/some/dir bash experiments/h200_run28.sh
-set -uo pipefail
-OUT=${OUT:-out/run28}
-mkdir -p "$OUT"
-start=$SECONDS
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:.:experiments PYTHONUNBUFFERED=1
-timeout 130 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/engine 2>&1 | tee "$OUT/pytest.txt" | tail -3
-echo "pytest exit ${PIPESTATUS[0]} after $((SECONDS - start)) s"
+source experiments/h200_setup.sh run28
+engine_tests
 timeout $((${TAIL_S:-400} + 10)) python3 experiments/h200_tail_profile.py run --out "$OUT/tail128k" \
   --budget "${TAIL_S:-400}" --settle 14 --length 131072 --max-model-len 135168 --pool-size 72GiB --arms bf16,fp8 \
   --docs 3 --waves 1,2,3 --timeline 2>&1 | grep -vE "^(==|USDT|ERROR: External|  _warn_once)|UserWarning" \

@@ -4,14 +4,8 @@
 # documents each (a 72 GiB pool holds two bf16 ones), each loaded with 1, 2 and 3 layer waves, TTFT only
 # (experiments/h200_tail_profile.py --plain).
 #   OUT=/some/dir bash experiments/h200_run29.sh
-set -uo pipefail
-OUT=${OUT:-out/run29}
-mkdir -p "$OUT"
-start=$SECONDS
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:.:experiments PYTHONUNBUFFERED=1
-timeout 130 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/engine 2>&1 | tee "$OUT/pytest.txt" | tail -2
-echo "pytest exit ${PIPESTATUS[0]} after $((SECONDS - start)) s"
+source experiments/h200_setup.sh run29
+engine_tests
 timeout $((${TAIL_S:-380} + 10)) python3 experiments/h200_tail_profile.py run --out "$OUT/tail128k" \
   --budget "${TAIL_S:-380}" --settle 14 --length 131072 --max-model-len 135168 --pool-size 72GiB --arms bf16,fp8 \
   --docs 2 --waves 1,2,3 --plain 2>&1 | grep -vE "^(==|USDT|ERROR: External)" > "$OUT/tail.txt"
