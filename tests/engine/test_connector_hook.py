@@ -265,6 +265,27 @@ def test_a_prefill_uploads_its_inputs_before_a_pool_load_starts(make_engine):
     assert events[: events.index("prefill done") + 1] == ["upload", "upload", "start_load", "prefill", "prefill done"]
 
 
+def test_a_failed_upload_of_a_prefills_inputs_ends_the_pool_lease(make_engine):
+    """Between the LOOKUP (which leases the hit) and the load, the engine uploads the forward's inputs: if that
+    fails, the request fails alone (the step's failure ends its lease with it), and the next is served from the
+    pool."""
+    pool: dict = {}
+    a, b, off = make_engine(), make_engine(), make_engine()
+    a.set_connector(RecordingDictConnector(a, pool))
+    b.set_connector(RecordingDictConnector(b, pool))
+    p = prompt(100, 13)
+    generate(a, [GenerationRequest("a", p, GREEDY)])
+    wait_for_stores(a)
+    stage = b.runner.stage
+    b.runner.stage = lambda seq, start: (_ for _ in ()).throw(RuntimeError("pinned memory exhausted"))
+    (failed,) = generate(b, [GenerationRequest("b1", p, GREEDY)])
+    assert failed.finished.finish_reason == "error" and b.connector.leases == {}
+    b.runner.stage = stage
+    (got,) = generate(b, [GenerationRequest("b2", p, GREEDY)])
+    (expected,) = generate(off, [GenerationRequest("off", p, GREEDY)])
+    assert got.token_ids == expected.token_ids and got.finished.usage.pool_hit_tokens == 96
+
+
 class UnconfirmableConnector(RecordingDictConnector):
     """A store whose completion cannot be confirmed: its handle's done() raises (a connector bug)."""
 
