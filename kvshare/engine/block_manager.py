@@ -48,13 +48,20 @@ class BlockManager:
         return (num_tokens + self.block_size - 1) // self.block_size
 
     def _cached_prefix(self, seq: Sequence, max_tokens: int) -> list[int]:
-        """Block ids holding the longest verified cached prefix of seq's tokens, at most max_tokens tokens."""
+        """Block ids holding the longest verified cached prefix of seq's tokens, at most max_tokens tokens. The
+        chain is hashed only as far as the hits reach (doubling): a 128k prompt that misses at its first block hashes
+        16 blocks here, not 8,192, before its first token (the rest when its blocks are registered, after it)."""
         hits, bs = [], self.block_size
-        for i, chain_hash in enumerate(self._chain(seq, max_tokens // bs)):
-            block_id = self.hash_to_block.get(chain_hash)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
-                break
-            hits.append(block_id)
+        n = max_tokens // bs
+        reach = min(n, 16)
+        while len(hits) < n:
+            chain = self._chain(seq, reach)
+            for i in range(len(hits), reach):
+                block_id = self.hash_to_block.get(chain[i])
+                if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+                    return hits
+                hits.append(block_id)
+            reach = min(n, 2 * reach)
         return hits
 
     def _chain(self, seq: Sequence, n: int) -> list[int]:

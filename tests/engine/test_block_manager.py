@@ -131,3 +131,23 @@ def test_a_sequence_s_chain_is_computed_once_and_extended():
     computed(bm, a)  # the chain grows to the new full blocks, continuing from the last one
     assert len(a.block_hashes) == 3 and bm.blocks[a.block_table[2]].hash == a.block_hashes[2]
     assert block_hashes(None, list(range(12)), 4) == a.block_hashes
+
+
+def test_admission_hashes_a_long_prompt_only_as_far_as_its_cached_prefix_reaches():
+    """Before a prompt's first token only the blocks a prefix-cache lookup needs are hashed (doubling past the
+    hits): a 128k prompt that misses at once hashes 16 of its 8,192 blocks; one with a 40-block cached prefix hashes
+    64; the rest are hashed when its blocks are registered, after the token. Hits are the same either way."""
+    bm = BlockManager(400, 4)
+    a = seq(range(161))  # 40 full blocks computed (the last token never is)
+    bm.allocate(a)
+    computed(bm, a)
+    miss = seq([7] * 1000, "miss")  # 250 blocks, none cached
+    assert bm.can_allocate(miss) and bm.allocate(miss) == 0 and len(miss.block_hashes) == 16
+    bm.deallocate(miss)
+    hit = seq(list(range(160)) + [5] * 840, "hit")  # the 40 cached blocks, then 210 new ones
+    assert bm.allocate(hit) == 160 and hit.block_table[:40] == a.block_table[:40]
+    assert len(hit.block_hashes) == 64
+    hit.num_computed = hit.num_tokens - 1
+    bm.register_computed(hit)
+    assert hit.block_hashes == block_hashes(None, hit.token_ids[:996], 4)
+    bm.check_integrity()
