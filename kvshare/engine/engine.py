@@ -128,7 +128,7 @@ class Engine:
         results = self._run(batch.is_prefill, batch.seqs, loading, staged)  # sampled: the device's work is over
         if batch.is_prefill and self.pool:  # the connector's L2 decision weighs promotion against this prefill time
             # num_computed is still what the prefill started from (a failed load took its tokens back)
-            self.pool.observe_prefill(batch.seqs[0], batch.seqs[0].num_computed, time.perf_counter() - started)
+            self.pool.observe_prefill(seq, seq.num_computed, time.perf_counter() - started)
         self._postprocess(batch, results)
         return True
 

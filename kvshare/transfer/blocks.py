@@ -39,11 +39,10 @@ class BlockSpace:
         return self.groups[0].views[0].device
 
     def rows(self, block_ids: np.ndarray) -> np.ndarray:
-        """int64 [num_layers * len(block_ids)]: the row of every unit of a chunk, in packed (layer-major) order.
-        Entries for a block id of -1 stay negative (skip markers)."""
-        rows = self.row_base[:, None] + block_ids[None, :]
-        rows[:, block_ids < 0] = -1
-        return rows.reshape(-1)
+        """int64 [..., num_layers * blocks] for block_ids [..., blocks] (one chunk, or a batch of equal chunks): the
+        row of every unit of a chunk, in packed (layer-major) order. A block id of -1 gives -1 (a skip marker)."""
+        ids = block_ids[..., None, :]  # [..., 1, blocks] against row_base [layers, 1]
+        return np.where(ids < 0, -1, self.row_base[:, None] + ids).reshape(*block_ids.shape[:-1], -1)
 
     def group_spans(self, blocks_per_chunk: int, u0: int, u1: int) -> list[tuple[Group, int, int]]:
         """Units [u0, u1) of a chunk split by group: (group, a, b) with u0 <= a < b <= u1."""

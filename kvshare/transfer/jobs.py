@@ -116,8 +116,7 @@ def _plan_uniform(space: BlockSpace, jobs: Sequence[StoreJob | LoadJob], page_si
     written = ids[ids >= 0] if loading else pages.reshape(-1)
     if len(np.unique(written)) != len(written):
         return None
-    # space.rows of every job at once: [jobs, layers, blocks], a skipped block's rows -1 in every layer.
-    rows = np.where(ids[:, None, :] < 0, -1, space.row_base[None, :, None] + ids[:, None, :]).reshape(len(jobs), -1)
+    rows = space.rows(ids)  # every job's at once: [jobs, layers * blocks]
     upp = layout.units_per_page(page_size)
     return [ChunkPlan(rows[c], pages[c], ids.shape[1], upp) for c in range(len(jobs))]
 

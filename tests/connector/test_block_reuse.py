@@ -121,6 +121,15 @@ def test_tail_keys_are_apart_from_chunk_keys_and_bounded():
     assert len(prompt_chunks(namespace, long_prompt, 256, 16)) == 1025
 
 
+def test_prompt_keys_are_the_ones_pools_already_hold():
+    """Keys are what a pool's chunks are found by, across replicas and kvshare versions: pinned values (computed
+    with the keys code of 1cba196, before prompt_chunks converted the ids once instead of twice)."""
+    plan = prompt_chunks(b"n" * 16, list(range(3, 603)), 256, 16)
+    assert plan.counts == [256, 256, 80]
+    assert [key.hex() for key in plan.keys] == ["b038899ab4022928effb06d3caf37c9e", "f3fa4739128b91be636a0573d3ae3d43",
+                                                "59416edbd2106941413952b31d537485"]
+
+
 class GatedTransfer:
     """A transfer whose stores wait for a gate: the window between RESERVE and the copies' end, held open."""
 

@@ -277,7 +277,11 @@ def test_a_failed_upload_of_a_prefills_inputs_ends_the_pool_lease(make_engine):
     generate(a, [GenerationRequest("a", p, GREEDY)])
     wait_for_stores(a)
     stage = b.runner.stage
-    b.runner.stage = lambda seq, start: (_ for _ in ()).throw(RuntimeError("pinned memory exhausted"))
+
+    def failing_stage(seq, start):
+        raise RuntimeError("pinned memory exhausted")
+
+    b.runner.stage = failing_stage
     (failed,) = generate(b, [GenerationRequest("b1", p, GREEDY)])
     assert failed.finished.finish_reason == "error" and b.connector.leases == {}
     b.runner.stage = stage
