@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from kvshare.connector.contract import ConnectorStats
@@ -23,6 +24,7 @@ class PendingStore:
     handle: TransferHandle
     started: float  # perf_counter() when the store began
     on_copied: Callable[[], None] = lambda: None  # once the copies and their checksums are over (or failed)
+    settled: threading.Event = field(default_factory=threading.Event)  # set once committed and counted, or dropped
 
 
 class Committer:
@@ -42,6 +44,12 @@ class Committer:
         self._worker.flush(timeout)
 
     def _finish(self, item: PendingStore) -> None:
+        try:
+            self._settle(item)
+        finally:
+            item.settled.set()  # after the counters: whoever reports the store over reports them with it
+
+    def _settle(self, item: PendingStore) -> None:
         try:
             item.handle.wait()  # the bytes are in the pages only after this (I2, I4)
             checksums = item.handle.checksums()

@@ -10,13 +10,19 @@ from typing import Callable, Protocol, Sequence
 
 @dataclass
 class StoreHandle:
-    """Completion of an asynchronous store. The engine must not free or reuse the source blocks until done()."""
+    """Completion of an asynchronous store. The engine must not free or reuse the source blocks until done(): the
+    copies out of them are over. settled() comes after done(): the store is also committed (and counted in the
+    connector's stats) or dropped, so a caller that reports a store over once settled reports its counters with it."""
 
     is_done: Callable[[], bool] = lambda: True
     block_ids: Sequence[int] = field(default_factory=tuple)
+    is_settled: Callable[[], bool] | None = None  # None: settled once done
 
     def done(self) -> bool:
         return self.is_done()
+
+    def settled(self) -> bool:
+        return self.is_done() if self.is_settled is None else self.is_settled()
 
 
 class LayerLoad(Protocol):

@@ -367,9 +367,9 @@ class ConnectorCore:
             self._failures.record("store", error, "continuing without it")
             return None
 
-    def _store_task(self, task: StoreTask) -> None:
+    def _store_task(self, task: StoreTask) -> StoreHandle | None:
         """The storer thread's work: the store itself; its copies are over when this returns (CPU transfers)."""
-        self._store(task.token_ids, task.block_ids, task.num_stored, task.salt, task.tail)
+        return self._store(task.token_ids, task.block_ids, task.num_stored, task.salt, task.tail)
 
     def _store(self, token_ids: Sequence[int], block_ids: Sequence[int], num_stored: int,
                salt: str, tail: bool) -> StoreHandle | None:
@@ -434,8 +434,10 @@ class ConnectorCore:
         handle = transfer.store(jobs)
         # COMMIT only after the copies finished (I2): the committer thread waits on the handle and its checksums (from
         # the bytes the store wrote), then commits.
-        self._committer.submit(PendingStore(reservation.lease, refs, handle, started, on_copied=life.release))
-        return StoreHandle(is_done=handle.done, block_ids=tuple(b for job in jobs for b in job.block_ids))
+        pending = PendingStore(reservation.lease, refs, handle, started, on_copied=life.release)
+        self._committer.submit(pending)
+        return StoreHandle(is_done=handle.done, block_ids=tuple(b for job in jobs for b in job.block_ids),
+                           is_settled=pending.settled.is_set)
 
     def _commit(self, lease: int, checksums: list[int]) -> bool:
         """COMMIT a store's lease (the committer thread calls this once the copies are done); False if refused."""

@@ -9,6 +9,7 @@ Invariants:
 - A task's StoreHandle is done only once its copies have finished or it gave up (I4): the engine keeps the blocks
   until then. The blocks hold KV the engine has computed and never writes again (whole blocks of computed tokens;
   a decode step writes the block after them), so reading them later reads the same bytes.
+- It is settled once the store it ran is settled too (committed and counted, or dropped), never before it is done.
 - Tasks run one at a time in submission order, so a request's chunks are reserved parent before child.
 """
 
@@ -32,12 +33,17 @@ class StoreTask:
     salt: str
     tail: bool
     finished: threading.Event = field(default_factory=threading.Event)
+    ran: StoreHandle | None = None  # the store the task ran (None: nothing to store, or it failed); set before finished
+
+    def settled(self) -> bool:
+        return self.finished.is_set() and (self.ran is None or self.ran.settled())
 
 
 class Storer:
-    """`run(task)` is the core's synchronous store; it must not raise (failures are the core's to record)."""
+    """`run(task)` is the core's synchronous store, returning its handle; it must not raise (failures are the core's
+    to record)."""
 
-    def __init__(self, run: Callable[[StoreTask], object], failures: Failures):
+    def __init__(self, run: Callable[[StoreTask], StoreHandle | None], failures: Failures):
         self._run, self._failures = run, failures
         # run_on_every_cpu: its copies run beside the model's next steps, not in turns with them
         self._worker: QueueWorker[StoreTask] = QueueWorker("kvshare-storer", self._store, on_start=run_on_every_cpu)
@@ -47,7 +53,7 @@ class Storer:
         """Queue a store; the handle names every block it may read (the engine holds them until it is done)."""
         task = StoreTask(list(token_ids), list(block_ids), num_stored, salt, tail)
         self._worker.submit(task)
-        return StoreHandle(is_done=task.finished.is_set, block_ids=tuple(task.block_ids))
+        return StoreHandle(is_done=task.finished.is_set, block_ids=tuple(task.block_ids), is_settled=task.settled)
 
     def flush(self, timeout: float) -> None:
         """Wait until every task submitted so far has run."""
@@ -55,7 +61,7 @@ class Storer:
 
     def _store(self, task: StoreTask) -> None:
         try:
-            self._run(task)
+            task.ran = self._run(task)
         except Exception as error:  # noqa: BLE001 - a store that fails is a future miss
             self._failures.record("store", error, "continuing without it")
         finally:

@@ -212,8 +212,11 @@ def test_the_connector_counts_in_vllms_metrics(deployment):
     def grown(replica: Replica, name: str) -> float:
         return replica.counter(f"kvshare_pool_{name}_total") - before[(replica.name, name)]
 
-    deadline = time.monotonic() + 30  # vLLM's frontend records stats after each step: allow it a moment
-    while grown(deployment.b, "loads") < 1 and time.monotonic() < deadline:
+    # vLLM's frontend records stats after each step: allow it a moment. A's stores are counted once committed, after
+    # A's answer: they reach /metrics only because A's worker reports the request over once its stores are settled
+    # (committed and counted), in a step whose stats carry them; A runs no step after that.
+    deadline = time.monotonic() + 30
+    while (grown(deployment.b, "loads") < 1 or grown(deployment.a, "stores") < chunks) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert grown(deployment.a, "lookups") >= 1 and grown(deployment.a, "stores") >= chunks  # chunks stored
     assert grown(deployment.b, "lookup_hit_tokens") >= chunks * CHUNK  # up to the last whole block: its tail too

@@ -9,8 +9,11 @@ Invariants:
   get_block_ids_with_load_errors, both after the forward; a load any of whose layers was never waited for counts as
   failed, since attention may have read that layer early.
 - Stores run in wait_for_save, after the forward that wrote the KV; on CUDA the transfer layer orders its copy
-  after the current stream's work (I4). A request with stores is reported in get_finished only once every copy
-  out of its blocks is done, and the scheduler half keeps its blocks allocated until then.
+  after the current stream's work (I4). A request with stores is reported in get_finished only once every store
+  out of its blocks is settled (copies done, then committed and counted, or dropped), and the scheduler half keeps
+  its blocks allocated until then. Settled, not only copied: vLLM takes the connector's stats in the same step,
+  after get_finished, and steps no more once nothing is pending, so a store counted after its request was reported
+  would stay off /metrics while the replica is idle. It holds the blocks one COMMIT round trip longer.
 - A failed load reports exactly the blocks it was to fill, so vLLM (kv_load_failure_policy "recompute")
   recomputes them; a failed store is a future miss and nothing else.
 """
@@ -118,9 +121,9 @@ class WorkerSide:
                 time.sleep(0.001)
 
     def finished(self, finished_req_ids: set[str]) -> set[str]:
-        """Requests (among those sent stores) that vLLM finished and whose copies are all done."""
+        """Requests (among those sent stores) that vLLM finished and whose stores are all settled."""
         self._finishing |= finished_req_ids & self._stores.keys()
-        done = {rid for rid in self._finishing if all(h.done() for h in self._stores[rid])}
+        done = {rid for rid in self._finishing if all(h.settled() for h in self._stores[rid])}
         for rid in done:
             del self._stores[rid]
         self._finishing -= done
