@@ -6,7 +6,10 @@ import os
 import subprocess
 import sys
 
-from kvshare.keys import Namespace, chunk_keys
+import numpy as np
+import pytest
+
+from kvshare.keys import Namespace, chunk_keys, token_bytes
 
 SCRIPT = """
 from kvshare.keys import Namespace, chunk_keys
@@ -42,3 +45,18 @@ def test_keys_change_with_any_namespace_field_or_token():
     a = chunk_keys(base.key, [1, 2, 3, 4, 5, 6, 7, 8], 4)
     b = chunk_keys(base.key, [1, 2, 3, 4, 5, 6, 7, 9], 4)
     assert a[0] == b[0] and a[1] != b[1]
+
+
+def test_token_ids_become_the_same_little_endian_bytes_from_any_container():
+    ids = [0, 1, 255, 256, 65536, 2**31, 2**32 - 1]
+    expected = b"".join(i.to_bytes(4, "little") for i in ids)
+    assert token_bytes(ids) == token_bytes(tuple(ids)) == token_bytes(np.array(ids, dtype=np.int64)) == expected
+    assert token_bytes([]) == token_bytes(np.array([], dtype=np.int64)) == b""
+
+
+@pytest.mark.parametrize("bad", [[-1], [2**32], [5, 2**40], [1.5], np.array([-1]), np.array([2**32]),
+                                 np.array([1.5])])
+def test_token_ids_outside_uint32_are_refused_not_wrapped(bad):
+    """A wrapped or truncated id would give another prompt's key."""
+    with pytest.raises(ValueError, match="integers in"):
+        token_bytes(bad)
