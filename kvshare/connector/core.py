@@ -37,7 +37,7 @@ from kvshare.connector.link import PoolLink
 from kvshare.connector.pending_load import PendingLoad
 from kvshare.connector.promotion import PromotionPolicy
 from kvshare.connector.storer import Storer, StoreTask
-from kvshare.keys import Namespace, PromptChunks, chunk_keys, prompt_chunks, token_bytes
+from kvshare.keys import Namespace, PromptChunks, prompt_chunks
 from kvshare.pool.client import LookupResult, NewChunk, PoolClient
 from kvshare.transfer import (
     SKIP,
@@ -119,12 +119,9 @@ class ConnectorCore:
         return base if salt == base.salt else dataclasses.replace(base, salt=salt)
 
     def chunk_plan(self, token_ids: Sequence[int], salt: str = "") -> tuple[Namespace, list[bytes], list[bytes]]:
-        """(namespace, keys, token bytes per chunk) for every full chunk of token_ids."""
-        namespace = self.namespace(salt)
-        keys = chunk_keys(namespace.key, token_ids, self.chunk_tokens)
-        data = token_bytes(token_ids[: len(keys) * self.chunk_tokens])
-        step = 4 * self.chunk_tokens
-        return namespace, keys, [data[i * step : (i + 1) * step] for i in range(len(keys))]
+        """(namespace, keys, token bytes per chunk) for every full chunk of token_ids (prompt_plan without a tail)."""
+        namespace, plan = self.prompt_plan(token_ids, salt, tail=False)
+        return namespace, plan.keys, plan.tokens
 
     def prompt_plan(self, token_ids: Sequence[int], salt: str = "",
                     tail: bool = True) -> tuple[Namespace, PromptChunks]:
