@@ -11,6 +11,11 @@ Invariants:
   last full chunk): n // chunk_tokens + 1 keys at most. A tail's key is tagged apart and carries its token count, so
   it is never computed as a full chunk's key is, and the pool compares the stored tokens (of another length) on
   every hit: a tail never answers for a full chunk, nor for a tail of another length.
+- A hybrid model's chunk carries the linear layers' state at its last token as an object of its own, keyed
+  xxh3-128(state tag || chunk key) and stored right after its chunk in one chain (`with_states`): chunk 0, its state,
+  chunk 1, its state, ... Each object's parent is the one before it, so the pool's prefix verification covers the
+  pairs as it covers chunks, and the longest verified prefix always ends on a chunk whose state is there or just
+  before it (the state is what a hit needs: a chunk without its state is never a hit).
 - Tools' namespaces and keys are tagged apart from model namespaces, so they can never equal a replica's.
 """
 
@@ -126,9 +131,8 @@ class PromptChunks:
         return len(self.keys)
 
     def end(self, n: int | None = None) -> int:
-        """Tokens covered by the first n chunks (all of them by default)."""
-        n = len(self.keys) if n is None else n
-        return (n - 1) * self.chunk_tokens + self.counts[n - 1] if n else 0
+        """Tokens covered by the first n chunks (all of them by default); a state entry (with_states) covers none."""
+        return sum(self.counts[:n])
 
     def first(self, n: int) -> PromptChunks:
         """The first n chunks."""
@@ -152,6 +156,29 @@ def prompt_chunks(namespace_key: bytes, token_ids: Sequence[int] | np.ndarray, c
         keys.append(tail_key(parents[-1], tokens[-1]))
         counts.append(tail)
     return PromptChunks(chunk_tokens, keys, parents[: len(keys)], tokens, counts)
+
+
+_STATE_TAG = b"kvshare/state/v1\0"
+
+
+def state_key(chunk_key: bytes) -> bytes:
+    """The key of the linear-attention state at a chunk's last token (hybrid models)."""
+    return xxhash.xxh3_128_digest(_STATE_TAG + chunk_key)
+
+
+def with_states(chunks: PromptChunks) -> PromptChunks:
+    """The chain a hybrid model stores and looks up: each chunk followed by its state (no tokens of its own), each
+    entry's parent the entry before it. `end(n)` still counts the tokens the first n entries cover."""
+    keys, parents, tokens, counts = [], [], [], []
+    parent = chunks.parents[0] if chunks.keys else b""
+    for key, data, count in zip(chunks.keys, chunks.tokens, chunks.counts):
+        state = state_key(key)
+        keys += (key, state)
+        parents += (parent, key)
+        tokens += (data, b"")
+        counts += (count, 0)
+        parent = state
+    return PromptChunks(chunks.chunk_tokens, keys, parents, tokens, counts)
 
 
 def fingerprint(*parts: bytes | str) -> str:

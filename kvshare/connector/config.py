@@ -27,6 +27,8 @@ class ConnectorConfig:
     # landed (kvshare.transfer.waves); 1: the whole load before the forward. 1 here, for vLLM, whose CUDA forward
     # with waves could not be measured (vLLM for CUDA cannot be installed on the test GPU); `kvshare serve` defaults
     # to 2, measured on its engine (H200 runs 28-29; docs/architecture.md)
+    unsafe_skip_state_load: bool = False  # TESTS ONLY, the negative control of hybrid sharing: load a hit's attention
+    # K/V but not its linear-attention state (the bug that garbled ~40% of answers elsewhere); no flag sets it
 
 
 # kv_connector_extra_config key -> (ConnectorConfig field, how its value is read). "model_id" is the namespace's.

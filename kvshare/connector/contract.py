@@ -51,10 +51,12 @@ class KVConnector(Protocol):
         only if it leaves the last token to compute; kvshare's connector answers up to a block boundary before it."""
 
     def start_load(self, request_id: str, block_ids: Sequence[int], num_computed: int,
-                   num_tokens: int) -> "LayerLoad | None":
+                   num_tokens: int, state=None) -> "LayerLoad | None":
         """Start loading tokens [num_computed, num_computed + num_tokens) into `block_ids` (the request's whole block
-        table), the hit lookup() found. The copies may still run when it returns: the engine calls wait_layer(l)
-        before anything reads layer l's loaded blocks (I5 per layer) and finish() once after its last such read.
+        table), the hit lookup() found; a hybrid model's linear-attention state at the hit's end goes into `state` (a
+        packed state, kvshare.transfer.state) before this returns. The K/V copies may still run when it returns: the
+        engine calls wait_layer(l) before anything reads layer l's loaded blocks (I5 per layer) and finish() once after
+        its last such read.
         None means nothing was started: the engine recomputes those tokens."""
 
     def release(self, request_id: str) -> None:
@@ -66,11 +68,12 @@ class KVConnector(Protocol):
 
     def store(
         self, request_id: str, token_ids: Sequence[int], block_ids: Sequence[int], num_stored: int, salt: str = "",
-        tail: bool = False,
+        tail: bool = False, states=None,
     ) -> StoreHandle | None:
         """Store the full chunks of `token_ids` beyond the first `num_stored` tokens (already stored) from
         `block_ids`, and with `tail` (the prompt's own store) the whole blocks after them as one partial chunk.
-        Ordered after all work already queued on the current stream (I4)."""
+        A hybrid model passes `states` (chunk boundary -> packed state) and stores no tail. Ordered after all work
+        already queued on the current stream (I4)."""
 
 
 @dataclass

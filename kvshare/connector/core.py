@@ -15,6 +15,9 @@ Invariants:
   (kvshare.keys.prompt_chunks), and a hit ends on a block boundary before the prompt's last token, possibly inside
   a chunk (a prefix of a stored chunk is loaded, its other blocks skipped). A replica that finds the prompt stored
   whole therefore recomputes between 1 and block_size tokens, not up to a chunk.
+- A hybrid model (a StateLayout given) stores each full chunk followed by the linear layers' state at its last token
+  (kvshare.keys.with_states; no tails), and a hit ends where the last chunk whose state the pool holds ends: the
+  state is loaded and verified before any KV copy starts, and a hit is never reported without it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import msgspec
 import torch
@@ -37,7 +40,7 @@ from kvshare.connector.link import PoolLink
 from kvshare.connector.pending_load import PendingLoad
 from kvshare.connector.promotion import PromotionPolicy
 from kvshare.connector.storer import Storer, StoreTask
-from kvshare.keys import Namespace, PromptChunks, prompt_chunks
+from kvshare.keys import Namespace, PromptChunks, prompt_chunks, with_states
 from kvshare.pool.client import LookupResult, NewChunk, PoolClient
 from kvshare.transfer import (
     SKIP,
@@ -49,6 +52,7 @@ from kvshare.transfer import (
     arena_pages,
     make_transfer,
 )
+from kvshare.transfer.state import StateLayout, load_state, store_state
 
 log = logging.getLogger("kvshare.connector")
 
@@ -66,6 +70,11 @@ class PoolHit(msgspec.Struct, frozen=True):
     keys: list[bytes] = []
     counts: list[int] = []  # tokens in each chunk: chunk_tokens, or fewer for a tail
     end: int = 0  # the hit covers tokens [.., end): block-aligned, maybe inside the last chunk (the rest is skipped)
+    # A hybrid model's hit: the state at `end` (the last chunk's end), its pages, size, checksum and key.
+    state_pages: list[int] = []
+    state_nbytes: int = 0
+    state_checksum: int = 0
+    state_key: bytes = b""
 
     @property
     def num_chunks(self) -> int:
@@ -90,8 +99,10 @@ def _instance_of(client: PoolClient) -> str:
 class ConnectorCore:
     """Keys, LOOKUP/RESERVE/COMMIT and transfers for one engine (one TP rank)."""
 
-    def __init__(self, config: ConnectorConfig, namespace: Namespace, block_tokens: int | None = None):
-        """block_tokens: the engine's block size, the unit of a hit and of a stored tail (None: whole chunks only)."""
+    def __init__(self, config: ConnectorConfig, namespace: Namespace, block_tokens: int | None = None,
+                 state_layout: StateLayout | None = None):
+        """block_tokens: the engine's block size, the unit of a hit and of a stored tail (None: whole chunks only);
+        state_layout: a hybrid model's packed linear-attention state (its hits and stores end on chunk boundaries)."""
         if namespace.chunk_tokens != config.chunk_tokens:
             raise ValueError(f"namespace chunk_tokens {namespace.chunk_tokens} != "
                              f"connector chunk_tokens {config.chunk_tokens}")
@@ -101,6 +112,7 @@ class ConnectorCore:
         self.config = config
         self.chunk_tokens = config.chunk_tokens
         self.block_tokens = block_tokens
+        self.state_layout = state_layout
         self.stats = ConnectorStats()
         self._base_namespace = namespace
         self._kv: EngineKV | None = None
@@ -125,8 +137,11 @@ class ConnectorCore:
 
     def prompt_plan(self, token_ids: Sequence[int], salt: str = "",
                     tail: bool = True) -> tuple[Namespace, PromptChunks]:
-        """(namespace, chunks) of token_ids: its full chunks and, with `tail`, the tail of whole blocks after them."""
+        """(namespace, chunks) of token_ids: its full chunks and, with `tail`, the tail of whole blocks after them; for
+        a hybrid model its full chunks each followed by its state (kvshare.keys.with_states)."""
         namespace = self.namespace(salt)
+        if self.state_layout is not None:
+            return namespace, with_states(prompt_chunks(namespace.key, token_ids, self.chunk_tokens))
         blocks = self.block_tokens if tail and self.block_tokens < self.chunk_tokens else 0
         return namespace, prompt_chunks(namespace.key, token_ids, self.chunk_tokens, blocks)
 
@@ -142,6 +157,8 @@ class ConnectorCore:
             return None
 
     def _find(self, token_ids: Sequence[int], num_computed: int, salt: str) -> PoolHit | None:
+        if self.state_layout is not None:
+            return self._find_with_state(token_ids, num_computed, salt)
         namespace, plan = self.prompt_plan(token_ids, salt)
         limit = (len(token_ids) - 1) // self.block_tokens * self.block_tokens  # whole blocks, never the last token
         plan = plan.first(-(-limit // self.chunk_tokens))  # the chunks that start before the limit
@@ -163,6 +180,32 @@ class ConnectorCore:
                       [c.checksum for c in chunks], namespace.key, [c.key for c in chunks],
                       plan.counts[first : len(lookup.chunks)], end)
         self.stats.lookup_hit_tokens += end - num_computed
+        return hit
+
+    def _find_with_state(self, token_ids: Sequence[int], num_computed: int, salt: str) -> PoolHit | None:
+        """A hybrid model's hit: whole chunks before the last token, up to the last one whose state the pool holds
+        (the verified prefix of chunk, state, chunk, state...; a chunk found without its state is not part of it)."""
+        namespace, plan = self.prompt_plan(token_ids, salt)
+        chunk = self.chunk_tokens
+        usable = (len(token_ids) - 1) // chunk  # chunks that end before the last token
+        plan = plan.first(2 * usable)
+        if usable * chunk <= num_computed:
+            return None
+        self.stats.lookups += 1
+        found = self._lookup(namespace, plan, len(token_ids), num_computed, usable * chunk)
+        if found is None:
+            return None
+        lookup, instance = found
+        pairs, first = len(lookup.chunks) // 2, -(-num_computed // chunk)
+        if pairs * chunk <= num_computed or num_computed % chunk:  # a state exists only at chunk ends
+            if lookup.lease:
+                self._link.call("release", lambda c: c.release(lookup.lease))
+            return None
+        chunks, state = lookup.chunks[2 * first : 2 * pairs : 2], lookup.chunks[2 * pairs - 1]
+        hit = PoolHit(instance, lookup.lease, first, [list(c.pages) for c in chunks], [c.nbytes for c in chunks],
+                      [c.checksum for c in chunks], namespace.key, [c.key for c in chunks], [chunk] * len(chunks),
+                      pairs * chunk, list(state.pages), state.nbytes, state.checksum, state.key)
+        self.stats.lookup_hit_tokens += hit.end - num_computed
         return hit
 
     def _lookup(self, namespace: Namespace, plan: PromptChunks, prompt_tokens: int, num_computed: int,
@@ -254,10 +297,12 @@ class ConnectorCore:
         return self.start_load(hit, block_ids, num_computed, waves=1, release=release).finish()
 
     def start_load(self, hit: PoolHit, block_ids: Sequence[int], num_computed: int, waves: int = 1,
-                   release: bool = True) -> PendingLoad:
+                   release: bool = True, state: torch.Tensor | None = None) -> PendingLoad:
         """Start loading the hit as load() does, in `waves` layer waves (kvshare.transfer.waves), and return while
         the copies run: the caller reads layer l's blocks only after wait_layer(l), and calls finish() once after its
-        last such read (the read lease and the arena are held until then: I3). Never raises."""
+        last such read (the read lease and the arena are held until then: I3). A hybrid hit's state is copied into
+        `state` (a packed state, StateLayout) and verified before this returns; if it cannot be, no KV copy starts
+        and finish() says False. Never raises."""
         started = time.perf_counter()
         life = self._attached
         if hit.pool_instance != life.instance or not life.acquire():
@@ -265,12 +310,35 @@ class ConnectorCore:
             return PendingLoad(None, lambda handle, usable: self._settle(hit, None, None, started, release, False),
                                self._failures)
         try:
-            handle = self._start_copies(life, self._kv, hit, block_ids, num_computed, waves)
+            loaded_state = self._load_state(life, hit, state)
+            handle = self._start_copies(life, self._kv, hit, block_ids, num_computed, waves) if loaded_state else None
         except Exception as error:  # noqa: BLE001 - a failed load is a miss, never a failed request
             self._failures.record("load", error)
             handle = None
         return PendingLoad(handle, lambda handle, usable: self._settle(hit, life, handle, started, release, usable),
                            self._failures)
+
+    def _load_state(self, life: ArenaLife, hit: PoolHit, state: torch.Tensor | None) -> bool:
+        """Copy a hybrid hit's state into `state` and verify it (True for a hit without one). Before the KV copies
+        and on the caller's thread: the forward's first linear layer reads it, and it is small (its own object, read
+        only for the boundary the hit ends on)."""
+        if not hit.state_pages:
+            return True
+        if state is None or life.transfer is None:
+            return False
+        if self.config.unsafe_skip_state_load:  # the negative control: attention K/V without the state
+            return True
+        read = load_state(life.transfer.pages, hit.state_pages, state)
+        if self.config.verify_checksums and read != hit.state_checksum:
+            self.stats.errors += 1
+            log.error("a pool state failed its checksum; recomputing and discarding it (pages %s)",
+                      hit.state_pages[:4])
+            self.stats.corrupt_chunks += 1
+            removed = self._link.call("discard", lambda c: c.discard(hit.namespace, [hit.state_key])
+                                      if _instance_of(c) == hit.pool_instance else 0)
+            self.stats.discarded_chunks += removed or 0
+            return False
+        return True
 
     def _start_copies(self, life: ArenaLife, kv: EngineKV | None, hit: PoolHit, block_ids: Sequence[int],
                       num_computed: int, waves: int) -> TransferHandle | None:
@@ -311,7 +379,7 @@ class ConnectorCore:
                 self.release_hit(hit)
         if ok:
             self.stats.loads += 1
-            self.stats.load_bytes += sum(hit.nbytes)
+            self.stats.load_bytes += sum(hit.nbytes) + hit.state_nbytes
             # The reference engine settles a load after the forward that overlapped it (start_load): its seconds
             # then include the layers that ran after the last copy (a lower rate for the L2 decision: recompute is
             # chosen a little sooner); load() settles at once.
@@ -350,26 +418,30 @@ class ConnectorCore:
         self.stats.discarded_chunks += removed or 0
 
     def store(self, token_ids: Sequence[int], block_ids: Sequence[int], num_stored: int, salt: str = "",
-              tail: bool = False) -> StoreHandle | None:
+              tail: bool = False, states: Mapping[int, torch.Tensor] | None = None) -> StoreHandle | None:
         """Store the chunks of token_ids beyond the first `num_stored` tokens: its full chunks and, with `tail`, the
         whole blocks after them as one partial chunk (a prompt's own store: at most one tail per prompt). Never
         raises. On a CPU replica it returns at once and the storer thread does the work (kvshare.connector.storer);
-        on a GPU the copies are queued on side streams here, ordered after the caller's stream (I4)."""
+        on a GPU the copies are queued on side streams here, ordered after the caller's stream (I4). A hybrid model
+        passes `states`, its packed state at each chunk boundary it has (kept unchanged until the store is done):
+        chunks are stored up to the first one without its state."""
         try:
             kv = self._kv
             if kv is not None and kv.kv_caches[0].device.type == "cpu":
-                return self._storer.submit(token_ids, block_ids, num_stored, salt, tail)
-            return self._store(token_ids, block_ids, num_stored, salt, tail)
+                return self._storer.submit(token_ids, block_ids, num_stored, salt, tail, states)
+            return self._store(token_ids, block_ids, num_stored, salt, tail, states)
         except Exception as error:  # noqa: BLE001 - a failed store is a future miss, never a failed request
             self._failures.record("store", error, "continuing without it")
             return None
 
     def _store_task(self, task: StoreTask) -> StoreHandle | None:
         """The storer thread's work: the store itself; its copies are over when this returns (CPU transfers)."""
-        return self._store(task.token_ids, task.block_ids, task.num_stored, task.salt, task.tail)
+        return self._store(task.token_ids, task.block_ids, task.num_stored, task.salt, task.tail, task.states)
 
     def _store(self, token_ids: Sequence[int], block_ids: Sequence[int], num_stored: int,
-               salt: str, tail: bool) -> StoreHandle | None:
+               salt: str, tail: bool, states: Mapping[int, torch.Tensor] | None = None) -> StoreHandle | None:
+        if self.state_layout is not None:
+            return self._store_with_states(token_ids, block_ids, num_stored, salt, states or {})
         namespace, plan = self.prompt_plan(token_ids, salt, tail)
         first = num_stored // self.chunk_tokens
         if first < len(plan) and plan.end(first + 1) <= num_stored:
@@ -431,6 +503,82 @@ class ConnectorCore:
         handle = transfer.store(jobs)
         # COMMIT only after the copies finished (I2): the committer thread waits on the handle and its checksums (from
         # the bytes the store wrote), then commits.
+        pending = PendingStore(reservation.lease, refs, handle, started, on_copied=life.release)
+        self._committer.submit(pending)
+        return StoreHandle(is_done=handle.done, block_ids=tuple(b for job in jobs for b in job.block_ids),
+                           is_settled=pending.settled.is_set)
+
+    def _store_with_states(self, token_ids: Sequence[int], block_ids: Sequence[int], num_stored: int, salt: str,
+                           states: Mapping[int, torch.Tensor]) -> StoreHandle | None:
+        """A hybrid model's store: each new full chunk and then its state, in one RESERVE, up to the first chunk whose
+        state the engine did not keep (the chain needs every state before a later one is of use)."""
+        namespace, plan = self.prompt_plan(token_ids, salt)
+        chunk, kv = self.chunk_tokens, self._kv
+        first, end = -(-num_stored // chunk), len(plan) // 2
+        end = next((i for i in range(first, end) if (i + 1) * chunk not in states), end)
+        if first >= end or kv is None:
+            return None
+
+        def reserve(client):
+            kv_bytes = kv.layout.chunk_nbytes(chunk, client.page_size)
+            pair_pages = -(-kv_bytes // client.page_size) + self.state_layout.pages_for(client.page_size)
+            last = self._within_lease_limit(first, end, pair_pages)
+            new = [NewChunk(key=plan.keys[j], parent=plan.parents[j], tokens=plan.tokens[j],
+                            nbytes=kv_bytes if j % 2 == 0 else self.state_layout.nbytes)
+                   for j in range(2 * first, 2 * last)]
+            return (client.reserve(namespace.key, new), _instance_of(client)) if new else None
+
+        started = time.perf_counter()
+        found = self._link.call("reserve", reserve, namespace)
+        if found is None:
+            return None
+        reservation, reserved_in = found
+        life = self._attached
+        if reserved_in != life.instance or not life.acquire():
+            if reservation.lease:
+                self._link.call("release", lambda c: c.release(reservation.lease))
+            return None
+        try:
+            handle = self._store_pairs(life, kv, first, reservation, block_ids, states, started)
+        except BaseException:
+            life.release()
+            raise
+        if handle is None:
+            life.release()
+        return handle
+
+    def _store_pairs(self, life: ArenaLife, kv: EngineKV, first: int, reservation, block_ids: Sequence[int],
+                     states: Mapping[int, torch.Tensor], started: float) -> StoreHandle | None:
+        """The copies of a reserved hybrid store: states first, on this thread (their checksums known at once), then
+        the chunks' K/V through the transfer; COMMIT carries every written entry's checksum in reservation order."""
+        transfer = life.transfer
+        jobs, refs, order = [], [], []  # order: ("kv", job index) or ("state", checksum) per written entry
+        per_chunk = self.chunk_tokens // kv.layout.block_size
+        for j, ref in enumerate(reservation.chunks, start=2 * first):
+            if ref is None:
+                self.stats.store_skipped_chunks += 1
+                continue
+            i = j // 2
+            if transfer is None:
+                break
+            if j % 2:
+                order.append(("state", store_state(transfer.pages, ref.pages, states[(i + 1) * self.chunk_tokens])))
+            else:
+                jobs.append(StoreJob(block_ids=list(block_ids[i * per_chunk : (i + 1) * per_chunk]),
+                                     pages=list(ref.pages)))
+                order.append(("kv", len(jobs) - 1))
+            refs.append(ref)
+        if transfer is None or not refs:
+            if reservation.lease:
+                self._link.call("release", lambda c: c.release(reservation.lease))
+            return None
+        kv_handle = transfer.store(jobs) if jobs else TransferHandle(checksums=lambda: [])
+
+        def checksums() -> list[int]:
+            kv_sums = kv_handle.checksums()
+            return [kv_sums[value] if kind == "kv" else value for kind, value in order]
+
+        handle = TransferHandle(is_done=kv_handle.done, wait=kv_handle.wait, checksums=checksums)
         pending = PendingStore(reservation.lease, refs, handle, started, on_copied=life.release)
         self._committer.submit(pending)
         return StoreHandle(is_done=handle.done, block_ids=tuple(b for job in jobs for b in job.block_ids),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from kvshare.connector.contract import StoreHandle
 from kvshare.connector.failures import Failures
@@ -32,6 +32,7 @@ class StoreTask:
     num_stored: int
     salt: str
     tail: bool
+    states: Mapping[int, Any] | None = None  # a hybrid model's packed states by chunk boundary (never changed)
     finished: threading.Event = field(default_factory=threading.Event)
     ran: StoreHandle | None = None  # the store the task ran (None: nothing to store, or it failed); set before finished
 
@@ -49,9 +50,9 @@ class Storer:
         self._worker: QueueWorker[StoreTask] = QueueWorker("kvshare-storer", self._store, on_start=run_on_every_cpu)
 
     def submit(self, token_ids: Sequence[int], block_ids: Sequence[int], num_stored: int, salt: str,
-               tail: bool) -> StoreHandle:
+               tail: bool, states: Mapping[int, Any] | None = None) -> StoreHandle:
         """Queue a store; the handle names every block it may read (the engine holds them until it is done)."""
-        task = StoreTask(list(token_ids), list(block_ids), num_stored, salt, tail)
+        task = StoreTask(list(token_ids), list(block_ids), num_stored, salt, tail, dict(states or {}))
         self._worker.submit(task)
         return StoreHandle(is_done=task.finished.is_set, block_ids=tuple(task.block_ids), is_settled=task.settled)
 

@@ -7,6 +7,10 @@ Free blocks keep their contents and hash until reused, in least-recently-freed o
 request's prefix can still be hit. Blocks are freed in reverse table order: a prefix's tail is evicted before its
 head, which other requests are more likely to share.
 
+A hybrid model's blocks hold only its full-attention layers' K/V; the linear layers' state at a block boundary is
+not kept, so a local hit would load attention K/V without the state (wrong answers): its engine builds the block
+manager with prefix_caching=False, and repeats are served by the pool, which stores a state with every chunk.
+
 Refcount = number of holders: sequences whose table contains the block, and pending pool stores reading it
 (hold()/release()), so a block is never reused while a store still reads it (I4).
 """
@@ -30,8 +34,9 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block: dict[int, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # oldest first
@@ -52,7 +57,7 @@ class BlockManager:
         chain is hashed only as far as the hits reach (doubling): a 128k prompt that misses at its first block hashes
         16 blocks here, not 8,192, before its first token (the rest when its blocks are registered, after it)."""
         hits, bs = [], self.block_size
-        n = max_tokens // bs
+        n = max_tokens // bs if self.prefix_caching else 0
         reach = min(n, 16)
         while len(hits) < n:
             chain = self._chain(seq, reach)
@@ -103,6 +108,8 @@ class BlockManager:
 
     def register_computed(self, seq: Sequence) -> None:
         """Enter seq's full blocks whose K/V is now computed into the prefix cache."""
+        if not self.prefix_caching:
+            return
         bs = self.block_size
         chain = self._chain(seq, seq.num_computed // bs)
         for i in range(seq.num_hashed_blocks, seq.num_computed // bs):

@@ -7,7 +7,10 @@ import argparse
 
 def register(cli) -> None:
     make = cli.command("make-model", "write a generated model folder (config, random weights, tokenizer)")
-    make.add_argument("--preset", choices=("tiny", "small", "qwen2.5-32b"), required=True)
+    # As kvshare.engine.make_model.PRESETS (not imported here: it needs torch); "-hybrid" and qwen3.5-27b are
+    # Qwen3.5-style hybrids (3 of 4 layers Gated DeltaNet); the 32b and 27b shapes are config only (dummy weights).
+    make.add_argument("--preset", required=True,
+                      choices=("tiny", "small", "qwen2.5-32b", "tiny-hybrid", "small-hybrid", "qwen3.5-27b"))
     make.add_argument("--out", required=True, help="folder to write")
     make.add_argument("--seed", type=int, default=0)
     make.set_defaults(run=run_make_model)

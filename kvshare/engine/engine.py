@@ -45,7 +45,9 @@ class Engine:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         self.runner = ModelRunner(config, self.model_config)
-        self.block_manager = BlockManager(self.runner.usable_blocks, config.block_size)
+        # A hybrid model's blocks hold no linear-attention state, so it has no local prefix cache (block_manager.py)
+        self.block_manager = BlockManager(self.runner.usable_blocks, config.block_size,
+                                          prefix_caching=self.model_config.linear is None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs)
         self.model_name = config.served_model_name or Path(config.model).name
         self.max_model_len = self.runner.max_model_len
@@ -70,10 +72,14 @@ class Engine:
     dtype = property(lambda self: self.runner.dtype)
     kv_dtype = property(lambda self: self.runner.kv_dtype)  # the cache's: dtype, or fp8 (--kv-cache-dtype)
     device = property(lambda self: self.runner.device)
+    state_layout = property(lambda self: self.runner.state_layout)  # a hybrid model's packed state, else None
 
     def set_connector(self, connector: KVConnector | None) -> None:
         """Plug in the pool (None: cache OFF). Call before the first request."""
-        self.pool = None if connector is None else PoolHooks(connector, self.block_manager)
+        self.pool = None if connector is None else PoolHooks(connector, self.block_manager, self.state_layout,
+                                                              self.device)
+        if self.runner.states is not None:  # snapshot the state wherever a chunk the pool stores ends
+            self.runner.snapshot_every = 0 if connector is None else connector.chunk_tokens
 
     @property
     def connector(self) -> KVConnector | None:
@@ -250,6 +256,9 @@ class Engine:
             self.pool.release(seq)
         self._emit(seq, TokenEvent(seq.request_id, None, True, reason, self._usage(seq), error, request_caused))
         self.scheduler.remove(seq)
+        if self.runner.states is not None:
+            self.runner.states.release(seq)
+            seq.state_snapshots.clear()
 
     def _usage(self, seq: Sequence) -> Usage:
         return Usage(seq.num_prompt_tokens, seq.num_completion_tokens, seq.local_hit_tokens, seq.pool_hit_tokens)

@@ -26,6 +26,19 @@ CHAT_TEMPLATE = (
 
 
 @dataclass(frozen=True)
+class LinearPreset:
+    """A hybrid preset's Gated DeltaNet layers: every `full_attention_interval`-th layer is full attention."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    full_attention_interval: int = 4
+    conv_kernel: int = 4
+    partial_rotary_factor: float = 0.25
+
+
+@dataclass(frozen=True)
 class Preset:
     architecture: str
     hidden_size: int
@@ -39,12 +52,25 @@ class Preset:
     rope_theta: float
     tokenizer_vocab: int  # trained BPE size; the rest of the model's vocab is filled with reserved tokens (if any)
     weights_dtype: str | None  # None: config only, for --load-format dummy
+    linear: LinearPreset | None = None  # a hybrid (Qwen3.5) model's linear-attention layers
 
 
+HYBRID = "Qwen3_5ForCausalLM"
 PRESETS = {
     "tiny": Preset("LlamaForCausalLM", 128, 256, 2, 4, 2, 32, 1024, 4096, 10000.0, 1024, "float32"),
     "small": Preset("LlamaForCausalLM", 1024, 2816, 12, 16, 4, 64, 8192, 16384, 10000.0, 8192, "bfloat16"),
     "qwen2.5-32b": Preset("Qwen2ForCausalLM", 5120, 27648, 64, 40, 8, 128, 152064, 262144, 1e6, 1024, None),
+    # Hybrid: 3 of every 4 layers Gated DeltaNet, the 4th gated full attention (Qwen3.5's text model).
+    "tiny-hybrid": Preset(HYBRID, 128, 256, 4, 4, 2, 32, 1024, 4096, 1e7, 1024, "float32",
+                          LinearPreset(2, 4, 32, 32)),
+    "small-hybrid": Preset(HYBRID, 1024, 2816, 12, 16, 4, 64, 8192, 16384, 1e7, 8192, "bfloat16",
+                           LinearPreset(8, 16, 64, 64)),
+    # The shape of Qwen/Qwen3.5-27B's text model (its model card and config.json: 64 layers laid out as
+    # 16 x (3 Gated DeltaNet + 1 gated attention), hidden 5120, FFN 17408, attention 24 q / 4 kv heads of 256 with
+    # a 64-dim rotary part, DeltaNet 16 qk / 48 v heads of 128, conv kernel 4, vocab 248320, rope theta 1e7,
+    # 262144 positions). Config only: served with --load-format dummy.
+    "qwen3.5-27b": Preset(HYBRID, 5120, 17408, 64, 24, 4, 256, 248320, 262144, 1e7, 1024, None,
+                          LinearPreset(16, 48, 128, 128)),
 }
 
 
@@ -73,9 +99,34 @@ def hf_config(p: Preset, bos_id: int, eos_id: int) -> dict:
     }
     if p.architecture == "Qwen2ForCausalLM":
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=p.num_layers)
+    elif p.linear is not None:
+        del config["rope_theta"], config["rope_scaling"]  # transformers 5 keeps them in rope_parameters
+        config.update(hybrid_fields(p))
     else:
         config.update(attention_bias=False, mlp_bias=False)
     return config
+
+
+def hybrid_fields(p: Preset) -> dict:
+    """config.json fields of a Qwen3.5 text model (model_type qwen3_5_text), as transformers writes them."""
+    lin = p.linear
+    return {
+        "model_type": "qwen3_5_text",
+        "attention_bias": False,
+        "attn_output_gate": True,
+        "full_attention_interval": lin.full_attention_interval,
+        "layer_types": ["full_attention" if (i + 1) % lin.full_attention_interval == 0 else "linear_attention"
+                        for i in range(p.num_layers)],
+        "linear_conv_kernel_dim": lin.conv_kernel,
+        "linear_key_head_dim": lin.key_head_dim,
+        "linear_value_head_dim": lin.value_head_dim,
+        "linear_num_key_heads": lin.num_key_heads,
+        "linear_num_value_heads": lin.num_value_heads,
+        "mamba_ssm_dtype": "float32",
+        "rope_parameters": {"rope_type": "default", "rope_theta": p.rope_theta,
+                            "partial_rotary_factor": lin.partial_rotary_factor,
+                            "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+    }
 
 
 def training_text(seed: int, num_words: int = 120_000) -> list[str]:

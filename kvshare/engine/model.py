@@ -57,12 +57,13 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 class Rotary:
-    """cos/sin tables for positions [0, n), grown on demand, in the model's dtype on its device."""
+    """cos/sin tables for positions [0, n), grown on demand, in the model's dtype on its device; as wide as the
+    rotated part of a head (all of it, but for partial rotary)."""
 
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype):
-        self.inv_freq = inverse_frequencies(config.rope, config.head_dim).to(device)
+        self.inv_freq = inverse_frequencies(config.rope, config.rotary_dim).to(device)
         self.dtype = dtype
-        self.cos = self.sin = torch.empty(0, config.head_dim, device=device, dtype=dtype)
+        self.cos = self.sin = torch.empty(0, config.rotary_dim, device=device, dtype=dtype)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) of shape (T, 1, D) for the given positions (the tables grown first if needed)."""

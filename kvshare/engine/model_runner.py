@@ -12,8 +12,10 @@ from kvshare.engine import paged_attention
 from kvshare.engine.attention import decode_step
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from kvshare.engine.hybrid import RecurrentState
 from kvshare.engine.model import Rotary
 from kvshare.engine.sequence import Sequence
+from kvshare.engine.state_slots import StateSlots
 from kvshare.engine.weights import load_model
 from kvshare.hf.config import ModelConfig
 from kvshare.units import format_size
@@ -59,13 +61,19 @@ class ModelRunner:
         self.rotary = Rotary(model_config, self.device, self.dtype)
         self.num_blocks = self._num_blocks()
         shape = (self.num_blocks, 2, config.block_size, model_config.num_kv_heads, model_config.head_dim)
-        whole = torch.zeros((model_config.num_layers, *shape), device=self.device, dtype=self.kv_dtype)
-        self.kv_caches = list(whole.unbind(0))
+        whole = torch.zeros((len(model_config.attention_layers), *shape), device=self.device, dtype=self.kv_dtype)
+        self.kv_caches = list(whole.unbind(0))  # the full-attention layers' (all layers of a dense model)
         log.info("KV cache: %d blocks of %d tokens (%s) on %s", self.num_blocks, config.block_size,
                  format_size(self.num_blocks * self.block_bytes), self.device)
+        # A hybrid model's linear layers keep a state per sequence instead (kvshare.engine.state_slots); the engine
+        # snapshots it at every multiple of `snapshot_every` tokens (the pool's chunk) for the pool to store.
+        self.states = None if model_config.linear is None else StateSlots(model_config, config.max_num_seqs + 1,
+                                                                          self.device, self.dtype)
+        self.snapshot_every = 0
         # Attention reads the cache in place (the Triton kernels) unless told not to or unable (EngineConfig has
-        # refused "triton" where they cannot run).
-        self.paged = config.attention_backend != "torch" and paged_attention.available(self.device)
+        # refused "triton" where they cannot run); the hybrid model runs the torch forms.
+        self.paged = (config.attention_backend != "torch" and paged_attention.available(self.device)
+                      and self.states is None)
         use_graphs = self.paged and self.device.type == "cuda" and not config.enforce_eager and self.num_blocks > 1
         self.usable_blocks = self.num_blocks - 1 if use_graphs else self.num_blocks  # the last: the graphs' scratch
         self.max_model_len = min(config.max_model_len or model_config.max_position,
@@ -91,7 +99,8 @@ class ModelRunner:
     def block_bytes(self) -> int:
         """Bytes of one block across all layers."""
         m = self.model_config
-        return self.config.block_size * m.num_layers * 2 * m.num_kv_heads * m.head_dim * self.kv_dtype.itemsize
+        return (self.config.block_size * len(m.attention_layers) * 2 * m.num_kv_heads * m.head_dim
+                * self.kv_dtype.itemsize)
 
     def _num_blocks(self) -> int:
         c, m = self.config, self.model_config
@@ -131,6 +140,11 @@ class ModelRunner:
         return StagedInputs(start, seq.num_tokens, len(seq.block_table),
                             self._to_device(seq.token_ids[start:]), self._to_device(seq.block_table))
 
+    @property
+    def state_layout(self):
+        """A hybrid model's packed state (kvshare.transfer.state.StateLayout), or None."""
+        return None if self.states is None else self.states.layout
+
     def prefill(self, seq: Sequence, before_attention: Callable[[int], None] | None = None,
                 staged: StagedInputs | None = None) -> torch.Tensor:
         """Compute K/V of seq's tokens [num_computed, num_tokens); logits of the last one (1, vocab).
@@ -141,8 +155,29 @@ class ModelRunner:
         else:
             tokens = self._to_device(seq.token_ids[seq.num_computed :])
             table = self._to_device(seq.block_table)
+        if self.states is not None:
+            return self._prefill_hybrid(seq, tokens, table, before_attention)
         return self.model.prefill(tokens, seq.num_computed, self.kv_caches, table, self.rotary,
                                   self.config.prefill_chunk, in_place=self.paged, before_attention=before_attention)
+
+    def _prefill_hybrid(self, seq: Sequence, tokens, table, before_attention) -> torch.Tensor:
+        """A hybrid prefill from seq's state slot: cleared for a prefill from 0; after a pool load, holding the
+        loaded state (seq.loaded_state, unpacked here, before any layer runs). Packed states at the chunk
+        boundaries it passes are kept in seq.state_snapshots for the pool's store."""
+        start, slot = seq.num_computed, self.states.slot(seq)
+        if start == 0:
+            self.states.clear(slot)
+        elif seq.loaded_state is not None:
+            self.states.unpack(slot, seq.loaded_state)
+        seq.loaded_state = None
+        every = self.snapshot_every
+        boundaries = [p for p in range(start + every, seq.num_tokens + 1, every)] if every else []
+        logits, snapshots = self.model.prefill(tokens, start, self.kv_caches, table, self.rotary,
+                                               self.config.prefill_chunk, self.states.views(slot), boundaries,
+                                               before_attention)
+        for p in boundaries:
+            seq.state_snapshots[p] = self.states.pack([layer[p] for layer in snapshots])
+        return logits
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         """An int64 device tensor of `values` whose copy does not make the host wait: from pinned memory, queued on
@@ -157,6 +192,8 @@ class ModelRunner:
         """One step for each sequence's newest token; logits (B, vocab)."""
         tokens = [s.token_ids[-1] for s in seqs]
         positions = [s.num_tokens - 1 for s in seqs]
+        if self.states is not None:
+            return self._decode_hybrid(seqs, tokens, positions)
         if self.graphs and self.graphs.fits(len(seqs)):
             return self.graphs.run(tokens, positions, [s.block_table for s in seqs])
         self.rotary.ensure(max(positions) + 1)
@@ -164,3 +201,21 @@ class ModelRunner:
         step = decode_step(tables, positions, self.config.block_size, self.decode_partition if self.paged else None)
         return self.model.decode(torch.tensor(tokens, device=self.device), torch.tensor(positions, device=self.device),
                                  self.kv_caches, step, self.rotary)
+
+    def _decode_hybrid(self, seqs: list[Sequence], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """A decode step of a hybrid model: the slots' states gathered, advanced one token, written back; a sequence
+        whose state now covers a multiple of snapshot_every tokens keeps a packed copy for the pool's store."""
+        slots = [self.states.slot(s) for s in seqs]
+        self.rotary.ensure(max(positions) + 1)
+        tables = [torch.tensor(s.block_table, device=self.device) for s in seqs]
+        step = decode_step(tables, positions, self.config.block_size, None)
+        logits, states = self.model.decode(torch.tensor(tokens, device=self.device),
+                                           torch.tensor(positions, device=self.device), self.kv_caches, step,
+                                           self.rotary, self.states.gather(slots))
+        self.states.scatter(slots, states)
+        every = self.snapshot_every
+        for i, seq in enumerate(seqs):
+            if every and seq.num_tokens % every == 0:
+                seq.state_snapshots[seq.num_tokens] = self.states.pack(
+                    [RecurrentState(s.recurrent[i : i + 1], s.conv[i : i + 1]) for s in states])
+        return logits

@@ -30,9 +30,11 @@ class PoolConnector:
         dtype = str(engine.dtype).removeprefix("torch.")
         if engine.kv_dtype != engine.dtype:  # an fp8 cache: KV bytes of another kind (the layout id differs too)
             dtype += "/kv=" + str(engine.kv_dtype).removeprefix("torch.")
-        namespace = Namespace.of_replica(engine.model_fingerprint, dtype, layout.layout_id(), engine.block_size,
+        state_layout = engine.state_layout  # a hybrid model's packed state (None for a dense one)
+        layout_id = layout.layout_id() + ("" if state_layout is None else "|" + state_layout.layout_id())
+        namespace = Namespace.of_replica(engine.model_fingerprint, dtype, layout_id, engine.block_size,
                                          config.chunk_tokens)
-        core = ConnectorCore(config, namespace, block_tokens=engine.block_size)
+        core = ConnectorCore(config, namespace, block_tokens=engine.block_size, state_layout=state_layout)
         core.attach(layout, engine.kv_caches)
         return cls(core)
 
@@ -45,12 +47,12 @@ class PoolConnector:
         return hit.end - num_computed
 
     def start_load(self, request_id: str, block_ids: Sequence[int], num_computed: int,
-                   num_tokens: int) -> PendingLoad | None:
+                   num_tokens: int, state=None) -> PendingLoad | None:
         with self._lock:
             hit = self._hits.pop(request_id, None)
         if hit is None:
             return None
-        return self.core.start_load(hit, block_ids, num_computed, waves=self.core.config.load_waves)
+        return self.core.start_load(hit, block_ids, num_computed, waves=self.core.config.load_waves, state=state)
 
     def observe_prefill(self, new_tokens: int, cached_tokens: int, seconds: float) -> None:
         self.core.observe_prefill(new_tokens, cached_tokens, seconds)
@@ -62,8 +64,8 @@ class PoolConnector:
             self.core.release_hit(hit)
 
     def store(self, request_id, token_ids, block_ids, num_stored, salt: str = "",
-              tail: bool = False) -> StoreHandle | None:
-        return self.core.store(token_ids, block_ids, num_stored, salt, tail)
+              tail: bool = False, states=None) -> StoreHandle | None:
+        return self.core.store(token_ids, block_ids, num_stored, salt, tail, states)
 
     def close(self) -> None:
         self.core.close()

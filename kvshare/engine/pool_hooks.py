@@ -18,9 +18,11 @@ class PoolHooks:
     are neither freed nor reused until the store has read them (I4). A done() that raises cannot confirm the store
     is over, so its blocks stay held (a bounded leak, counted and logged, never a block overwritten mid-copy)."""
 
-    def __init__(self, connector: KVConnector, block_manager: BlockManager):
+    def __init__(self, connector: KVConnector, block_manager: BlockManager, state_layout=None, device="cpu"):
         self.connector = connector
         self.block_manager = block_manager
+        self.state_layout = state_layout  # a hybrid model's packed state (kvshare.transfer.state), else None
+        self.device = device
         self.pending: list[tuple[StoreHandle, list[int]]] = []
         self._failures = Failures(connector.stats)
 
@@ -46,10 +48,13 @@ class PoolHooks:
         """Start loading the n tokens find_prefix found into seq's blocks. The tokens count as computed from here
         on; the engine's forward reads each layer after wait_layer and calls PoolLoad.finish before the token is
         sampled, which takes them back if the load failed."""
+        state = None if self.state_layout is None else self.state_layout.new_buffer(self.device)
+        extra = () if state is None else (state,)  # a dense model's connector takes no state
         pending = self._guard("load", lambda: self.connector.start_load(seq.request_id, seq.block_table,
-                                                                        seq.num_computed, n), None)
+                                                                        seq.num_computed, n, *extra), None)
         if pending is None:
             return None
+        seq.loaded_state = state  # the prefill starts from it (a failed load's recompute starts from 0 instead)
         loading = PoolLoad(self, pending, seq, (seq.num_computed, seq.pool_hit_tokens, seq.num_stored))
         seq.num_computed += n
         seq.pool_hit_tokens += 0 if seq.admitted else n
@@ -60,13 +65,18 @@ class PoolHooks:
         """Store the chunks of seq's first num_tokens tokens (whose K/V exists) not yet in the pool: the full chunks,
         and for the prompt's own store (num_tokens within the prompt) the whole blocks after them as its one tail."""
         chunk, block = self.connector.chunk_tokens, self.block_manager.block_size
-        tail = num_tokens <= seq.num_prompt_tokens
+        hybrid = self.state_layout is not None  # whole chunks with their states only: no tail
+        tail = num_tokens <= seq.num_prompt_tokens and not hybrid
         end = num_tokens // block * block if tail else num_tokens // chunk * chunk
         if end <= seq.num_stored:
             return
         tokens, blocks = seq.token_ids[:num_tokens], list(seq.block_table)
+        extra = (dict(seq.state_snapshots),) if hybrid else ()
         handle = self._guard("store", lambda: self.connector.store(seq.request_id, tokens, blocks, seq.num_stored,
-                                                                   seq.salt, tail), None)
+                                                                   seq.salt, tail, *extra), None)
+        if hybrid:  # the store keeps its own references; later stores need only later boundaries
+            for boundary in [p for p in seq.state_snapshots if p <= end]:
+                del seq.state_snapshots[boundary]
         if handle is None:
             return
         seq.num_stored = end

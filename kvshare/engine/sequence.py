@@ -35,6 +35,10 @@ class Sequence:
         self.local_hit_tokens = 0
         self.pool_hit_tokens = 0
         self.num_stored = 0  # leading tokens known to be in the pool (loaded from it or stored to it)
+        # A hybrid model's linear-attention state (kvshare.engine.state_slots): packed copies at chunk boundaries
+        # until the pool has stored them, and the state a pool load brought for the next prefill to start from.
+        self.state_snapshots: dict[int, torch.Tensor] = {}
+        self.loaded_state: torch.Tensor | None = None
         self.admitted = False  # set at first admission; hits are counted only then (a preempted request recomputes)
         self.status = Status.WAITING
         seed = self.sampling.seed if self.sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1

@@ -2,7 +2,8 @@
 
 Dummy weights: each tensor is drawn from its own generator seeded with xxh3(seed, tensor name), directly on the
 target device and dtype, so every replica (and every process) built with the same seed on the same kind of device
-holds identical weights without reading a checkpoint. Norm weights are ones; everything else N(0, 0.02).
+holds identical weights without reading a checkpoint. Norm weights are ones; a hybrid model's decay parameters
+(A_log, dt_bias) fixed values that give its state a long memory; everything else N(0, 0.02).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import xxhash
 from safetensors import safe_open
 
+from kvshare.engine.hybrid import HybridCausalLM
 from kvshare.engine.kv_quant import KVScales
 from kvshare.engine.model import CausalLM
 from kvshare.hf.config import ModelConfig
@@ -29,9 +31,18 @@ def shard_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def build_model(config: ModelConfig) -> CausalLM | HybridCausalLM:
+    """The module of config's architecture (call under torch.device("meta"); the loader assigns the weights)."""
+    return CausalLM(config) if config.linear is None else HybridCausalLM(config)
+
+
 def dummy_tensor(name: str, shape: torch.Size, seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     if name.endswith("norm.weight"):
         return torch.ones(shape, device=device, dtype=dtype)
+    if name.endswith("dt_bias"):
+        return torch.zeros(shape, device=device, dtype=dtype)
+    if name.endswith("A_log"):  # a hybrid model's decay rates, spread so that some heads remember thousands of tokens
+        return torch.linspace(1e-3, 0.5, shape[0], device=device).log().to(dtype)
     generator = torch.Generator(device=device)
     generator.manual_seed(xxhash.xxh3_64_intdigest(f"{seed}/{name}".encode()) & (2**63 - 1))
     return torch.empty(shape, device=device, dtype=dtype).normal_(0.0, DUMMY_STD, generator=generator)
@@ -40,7 +51,7 @@ def dummy_tensor(name: str, shape: torch.Size, seed: int, device: torch.device, 
 def dummy_state_dict(config: ModelConfig, seed: int, device, dtype) -> dict[str, torch.Tensor]:
     """Seeded random weights for every parameter of the model (names as in Hugging Face checkpoints)."""
     with torch.device("meta"):
-        shapes = {name: p.shape for name, p in CausalLM(config).named_parameters()}
+        shapes = {name: p.shape for name, p in build_model(config).named_parameters()}
     return {name: dummy_tensor(name, shape, seed, torch.device(device), dtype) for name, shape in shapes.items()}
 
 
@@ -64,7 +75,7 @@ def read_safetensors(model_dir: Path, names: set[str], device, dtype,
 
 @dataclass(frozen=True)
 class LoadedModel:
-    model: CausalLM
+    model: CausalLM | HybridCausalLM
     fingerprint: str  # the model identity (kvshare.identity): replicas share KV only when fingerprints match
 
 
@@ -77,7 +88,7 @@ def load_model(model_dir: str | Path, load_format: str, device, dtype, seed: int
     config_bytes = (model_dir / "config.json").read_bytes()
     config = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = build_model(config)
     names = {name for name, _ in model.named_parameters()}
     if load_format == "dummy":
         state = dummy_state_dict(config, seed, device, dtype)
@@ -87,8 +98,8 @@ def load_model(model_dir: str | Path, load_format: str, device, dtype, seed: int
             state = read_safetensors(model_dir, names, device, dtype, digests)
             # fp32 on the host (never rounded to the model's dtype); hashed like every tensor read, so replicas with
             # other scales (other fp8 bytes for the same KV) have other identities.
-            scales = read_safetensors(model_dir, set(kv_scale_names(config.num_layers)), "cpu", torch.float32,
-                                      digests)
+            scales = read_safetensors(model_dir, set(kv_scale_names(config.attention_layers)), "cpu",
+                                      torch.float32, digests)
             weights = digests.hexdigest()
     missing = sorted(names - state.keys())
     if missing:
@@ -98,19 +109,23 @@ def load_model(model_dir: str | Path, load_format: str, device, dtype, seed: int
     del state  # the fusion below frees each layer's three projections as it goes
     if load_format != "dummy":
         set_kv_scales(model, scales)
-    for layer in model.model.layers:
-        layer.self_attn.fuse_qkv()
+    if config.linear is None:
+        for layer in model.model.layers:
+            layer.self_attn.fuse_qkv()
     return LoadedModel(model.eval().requires_grad_(False), model_fingerprint(config_bytes, weights, model_id))
 
 
-def kv_scale_names(num_layers: int) -> list[str]:
-    """The checkpoint tensors that hold an fp8 KV cache's per-tensor scales (as llm-compressor writes them)."""
-    return [f"model.layers.{i}.self_attn.{which}_scale" for i in range(num_layers) for which in ("k", "v")]
+def kv_scale_names(layers) -> list[str]:
+    """The checkpoint tensors that hold an fp8 KV cache's per-tensor scales (as llm-compressor writes them), for the
+    full-attention layers `layers`."""
+    return [f"model.layers.{i}.self_attn.{which}_scale" for i in layers for which in ("k", "v")]
 
 
-def set_kv_scales(model: CausalLM, scales: dict[str, torch.Tensor]) -> None:
-    """Each layer's KVScales from the checkpoint's scalars; 1.0 where it has none (vLLM's default)."""
+def set_kv_scales(model: CausalLM | HybridCausalLM, scales: dict[str, torch.Tensor]) -> None:
+    """Each attention layer's KVScales from the checkpoint's scalars; 1.0 where it has none (vLLM's default)."""
     for i, layer in enumerate(model.model.layers):
+        if not hasattr(layer, "self_attn"):  # a linear-attention layer: no K/V
+            continue
         k, v = (scales.get(f"model.layers.{i}.self_attn.{which}_scale") for which in ("k", "v"))
         layer.self_attn.kv_scales = KVScales(1.0 if k is None else float(k.reshape(-1)[0]),
                                              1.0 if v is None else float(v.reshape(-1)[0]))
