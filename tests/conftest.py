@@ -23,3 +23,9 @@ def generated_model(tmp_path_factory) -> Callable[..., Path]:
 def tiny_model(generated_model) -> Path:
     """The tiny generated model (seed 0) that every test needing a model shares."""
     return generated_model()
+
+
+@pytest.fixture(scope="session")
+def hybrid_model(generated_model) -> Path:
+    """The tiny hybrid generated model (Qwen3.5's layout: 3 Gated DeltaNet layers, then 1 gated attention)."""
+    return generated_model("tiny-hybrid")
