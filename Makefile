@@ -4,6 +4,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 PYTEST_ARGS ?=
+DEMO_ARGS ?=  # e.g. DEMO_ARGS="--preset small-hybrid": the same comparison on a hybrid (Qwen3.5-style) model
 
 .PHONY: setup demo test quick lint bench clean
 
@@ -17,7 +18,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/kvshare demo
+	$(VENV)/bin/kvshare demo $(DEMO_ARGS)
 
 # The whole suite, after the linters (what CI runs).
 test: lint

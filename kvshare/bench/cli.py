@@ -39,8 +39,11 @@ def register(cli) -> None:
     register_micro(cli)
 
     demo = cli.command("demo", "the mechanism at CPU scale in a few minutes: pool, two replicas, router, report")
-    demo.add_argument("--model-dir", type=Path, default=Path(".models/small"),
-                      help="model folder (generated with the small preset when absent)")
+    demo.add_argument("--preset", choices=("small", "small-hybrid"), default="small",
+                      help="the generated model: dense (Llama-style) or hybrid (Qwen3.5-style: 3 of 4 layers Gated "
+                           "DeltaNet, whose state the pool shares with each chunk)")
+    demo.add_argument("--model-dir", type=Path,
+                      help="model folder (default: .models/PRESET, generated with the preset when absent)")
     demo.add_argument("--out", type=Path, help="output folder (default: bench-results/demo-<time>)")
     demo.add_argument("--lengths", default="512,1k")
     demo.add_argument("--per-block", type=int, default=2)
@@ -166,7 +169,8 @@ def _demo(args: argparse.Namespace) -> int:
     from kvshare.bench.client import BenchError
     from kvshare.bench.demo import DemoConfig, run_demo
 
-    config = DemoConfig(model_dir=args.model_dir, out_dir=args.out or runner.default_out("demo"), lengths=args.lengths,
+    config = DemoConfig(model_dir=args.model_dir or Path(".models") / args.preset, preset=args.preset,
+                        out_dir=args.out or runner.default_out("demo"), lengths=args.lengths,
                         per_block=args.per_block, contexts=args.contexts, threads=args.threads)
     try:
         return run_demo(config, _command()).exit_code

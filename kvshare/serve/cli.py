@@ -13,6 +13,17 @@ from kvshare.httpguard.limits import add_flags as add_http_limit_flags
 log = logging.getLogger(__name__)
 
 
+def check_hybrid_chunk(model: str, chunk_tokens: int) -> None:
+    """A hybrid model's state is stored at chunk ends, which must fall on its linear layers' blocks."""
+    from kvshare.engine.hybrid import STATE_BLOCK
+    from kvshare.hf.config import ModelConfig
+
+    if ModelConfig.from_dir(model).linear is not None and chunk_tokens % STATE_BLOCK:
+        raise ValueError(f"--chunk-tokens {chunk_tokens}: a hybrid model's chunks must be a multiple of "
+                         f"{STATE_BLOCK} tokens (the linear-attention layers' block); try "
+                         f"{max(STATE_BLOCK, chunk_tokens // STATE_BLOCK * STATE_BLOCK)}")
+
+
 def register(cli) -> None:
     serve = cli.command("serve", "run the reference engine behind an OpenAI-compatible HTTP server")
     serve.add_argument("--model", required=True, help="Hugging Face model folder (config.json, weights, tokenizer)")
@@ -148,6 +159,7 @@ def run_serve(args: argparse.Namespace) -> int:
         limits, http_limits = request_limits(args), http_limits_from_args(args)
         connector = connector_config(args) if args.pool != "none" else None
         check_model_folder(args.model)
+        check_hybrid_chunk(args.model, args.chunk_tokens)
         config = engine_config(args)  # flags the engine refuses (e.g. a backend this machine cannot run) fail here
         # Bound before the model loads (seconds to minutes): a busy port fails now, and "serving on" is never logged
         # for a port this server does not hold.

@@ -84,3 +84,14 @@ def test_config_reads_the_layer_pattern_as_transformers_does():
     with pytest.raises(ValueError, match="text model"):
         ModelConfig.from_hf({**config, "architectures": ["Qwen3_5ForConditionalGeneration"]})
     json.dumps(config)  # what make-model writes is JSON
+
+
+def test_serve_refuses_a_hybrid_chunk_off_the_linear_blocks(hybrid_model, tiny_model):
+    """`kvshare serve --chunk-tokens 80` on a hybrid model is a one-line error naming a size that works; a dense model
+    takes any multiple of the block size."""
+    from kvshare.serve.cli import check_hybrid_chunk
+
+    with pytest.raises(ValueError, match="multiple of 64 tokens .* try 64"):
+        check_hybrid_chunk(str(hybrid_model), 80)
+    check_hybrid_chunk(str(hybrid_model), 128)
+    check_hybrid_chunk(str(tiny_model), 80)
