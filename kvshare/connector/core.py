@@ -458,6 +458,13 @@ class ConnectorCore:
                             nbytes=kv.layout.chunk_nbytes(plan.counts[i], client.page_size)) for i in range(first, end)]
             return (client.reserve(namespace.key, new), _instance_of(client)) if new else None
 
+        return self._reserved_store(namespace, reserve, lambda life, reservation, started: self._store_into(
+            life, kv, plan, first, reservation, block_ids, started))
+
+    def _reserved_store(self, namespace: Namespace, reserve, copy) -> StoreHandle | None:
+        """RESERVE through `reserve(client)`, then `copy(life, reservation, started)` into the reserved pages through
+        the pool life the reservation belongs to, acquired for the copies (the committer releases it once they are
+        over; here, if nothing was copied)."""
         started = time.perf_counter()
         found = self._link.call("reserve", reserve, namespace)
         if found is None:
@@ -469,7 +476,7 @@ class ConnectorCore:
                 self._link.call("release", lambda c: c.release(reservation.lease))
             return None
         try:
-            handle = self._store_into(life, kv, plan, first, reservation, block_ids, started)
+            handle = copy(life, reservation, started)
         except BaseException:
             life.release()
             raise
@@ -528,24 +535,8 @@ class ConnectorCore:
                    for j in range(2 * first, 2 * last)]
             return (client.reserve(namespace.key, new), _instance_of(client)) if new else None
 
-        started = time.perf_counter()
-        found = self._link.call("reserve", reserve, namespace)
-        if found is None:
-            return None
-        reservation, reserved_in = found
-        life = self._attached
-        if reserved_in != life.instance or not life.acquire():
-            if reservation.lease:
-                self._link.call("release", lambda c: c.release(reservation.lease))
-            return None
-        try:
-            handle = self._store_pairs(life, kv, first, reservation, block_ids, states, started)
-        except BaseException:
-            life.release()
-            raise
-        if handle is None:
-            life.release()
-        return handle
+        return self._reserved_store(namespace, reserve, lambda life, reservation, started: self._store_pairs(
+            life, kv, first, reservation, block_ids, states, started))
 
     def _store_pairs(self, life: ArenaLife, kv: EngineKV, first: int, reservation, block_ids: Sequence[int],
                      states: Mapping[int, torch.Tensor], started: float) -> StoreHandle | None:
