@@ -2,12 +2,17 @@
 model fits only one at a time, so A runs, stores its documents and exits, then B runs. Block order OFF-ON-ON-OFF.
 
     PYTHONPATH=/tmp/site:. python3 experiments/h200_cross_replica.py --lengths 32768,131072 --reps 2,2 --out $OUT
+    # the hybrid 27B shape (issue 31): K/V of 16 attention layers + one state per 4096-token chunk
+    PYTHONPATH=/tmp/site:. python3 experiments/h200_cross_replica.py run --preset qwen3.5-27b --chunk-tokens 4096 \
+        --kv-cache-memory 20GiB --pool-size 64GiB --lengths 131072,262144 --reps 1,1 --out $OUT
 
 Each replica is a process running the kvshare engine in-process (no HTTP): TTFT = submit -> first token event,
 with the device synchronised by the sampler's read of the logits. OFF blocks run B without a pool (A's warm request
 has no effect on a replica without a pool, so it is skipped). In ON blocks A's TTFT is also recorded: it is the first
 (missing) request, which stores. The GPU service regression compares B ON with B OFF on one prompt: first-token
-logits (max abs difference) and greedy tokens. Rows go to OUT/cross_replica.jsonl as they are measured.
+logits (max abs difference) and greedy tokens. A hybrid model has no local prefix cache, so its bit-for-bit check is
+B's pool hit against A's own second request of the same prompt (a pool hit on A): the same tail computation from
+the same loaded K/V and state, in another process. Rows go to OUT/cross_replica.jsonl as they are measured.
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ import tempfile
 import time
 from pathlib import Path
 
-KV_BYTES_PER_TOKEN = 64 * 8 * 128 * 2 * 2  # qwen2.5-32b shape, bf16
 QUESTIONS = 64  # tokens of the new question B asks about the document
 REGRESSION_LEN = 32768
 
@@ -65,12 +69,16 @@ def replica(args) -> None:
 
     jobs = json.loads(Path(args.jobs).read_text())
     started = time.perf_counter()
+    from kvshare.units import parse_size
+
     engine = Engine(EngineConfig(model=args.model, load_format="dummy", device=args.device, dtype="bfloat16",
-                                 max_model_len=args.max_model_len))
+                                 max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
+                                 kv_cache_memory=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None))
     if args.pool != "none":
         # Verification is on unless asked otherwise: on the GPU it costs ~1% of ON TTFT (issue 17, NOTES runs 9-10);
         # runs 3-4 and the two-GPU runs before issue 17 used --no-verify-checksums (host hashing cost +100% then).
-        config = ConnectorConfig(address=args.pool, verify_checksums=not args.no_verify_checksums)
+        config = ConnectorConfig(address=args.pool, verify_checksums=not args.no_verify_checksums,
+                                 chunk_tokens=args.chunk_tokens)
         engine.set_connector(PoolConnector.for_engine(engine, config))
     logits: list = []
     original = engine.runner.prefill
@@ -126,17 +134,33 @@ def run_replica(role: str, pool: str, jobs: list[dict], ns) -> None:
     jobs_file.write_text(json.dumps(jobs))
     command = [sys.executable, __file__, "replica", "--role", role, "--pool", pool, "--jobs", str(jobs_file),
                "--model", ns.model, "--rows", str(ns.rows), "--device", ns.device,
-               "--max-model-len", str(ns.max_model_len)]
+               "--max-model-len", str(ns.max_model_len), "--chunk-tokens", str(ns.chunk_tokens),
+               "--kv-cache-memory", ns.kv_cache_memory, "--kv-cache-dtype", ns.kv_cache_dtype]
     if ns.no_verify_checksums:
         command.append("--no-verify-checksums")
     subprocess.run(command, check=True, env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
 
 
-def cycles(jobs: list[dict], capacity: int) -> list[list[dict]]:
+def pool_bytes_per_token(preset: str, chunk_tokens: int, kv_cache_dtype: str) -> float:
+    """What the pool holds per stored token: the K/V of every attention layer, plus a hybrid model's state per chunk."""
+    import torch
+
+    from kvshare.engine.make_model import PRESETS, hf_config
+    from kvshare.hf.config import ModelConfig
+    from kvshare.transfer.state import StateLayout
+
+    config = ModelConfig.from_hf(hf_config(PRESETS[preset], 0, 1))
+    kv = config.kv_bytes_per_token("bfloat16") // (2 if kv_cache_dtype == "fp8" else 1)
+    if config.linear is None:
+        return kv
+    return kv + StateLayout.of_model(config, torch.float32, torch.bfloat16).nbytes / chunk_tokens
+
+
+def cycles(jobs: list[dict], capacity: int, bytes_per_token: float) -> list[list[dict]]:
     """Split ON jobs into A/B cycles whose documents fit the pool together."""
     out, current, used = [], [], 0
     for job in jobs:
-        need = (job["length"] + QUESTIONS) * KV_BYTES_PER_TOKEN
+        need = (job["length"] + QUESTIONS) * bytes_per_token
         if current and used + need > capacity:
             out.append(current)
             current, used = [], 0
@@ -162,6 +186,8 @@ def orchestrate(ns) -> None:
               for name in ("OFF1", "ON1", "ON2", "OFF2")}
     regression = dict(id="regression", block="REG", arm="REG", length=ns.regression_len, rep=0, seed=7, question=8,
                       regression=True, max_tokens=16) if ns.regression_len else None
+    again = dict(regression, id="regression-again") if regression else None  # A's own pool hit (a hybrid's)
+    per_token = pool_bytes_per_token(ns.preset, ns.chunk_tokens, ns.kv_cache_dtype)
     t0 = time.perf_counter()
     with start_pool(ns.pool_size, page_size=ns.page_size, check_integrity=False) as (address, _):
         print(f"pool {ns.pool_size} ready in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -171,8 +197,8 @@ def orchestrate(ns) -> None:
             if name.startswith("OFF"):
                 run_replica("B-off", "none", jobs + ([regression] if regression and name == "OFF1" else []), ns)
                 continue
-            extra = [regression] if regression and name == "ON1" else []
-            for cycle in cycles(extra + jobs, capacity):
+            extra = [regression, again] if regression and name == "ON1" else []
+            for cycle in cycles(extra + jobs, capacity, per_token):
                 with PoolClient.connect(address) as client:
                     client.clear()
                 run_replica("A", address, cycle, ns)
@@ -195,7 +221,7 @@ def summarize(rows_path: Path, out: Path) -> None:
         table.setdefault(key, []).append(row["ttft_s"])
     summary = {f"{l}|{k}": dict(median=statistics.median(v), min=min(v), max=max(v), n=len(v))
                for (l, k), v in table.items()}
-    reg = [r for r in rows if r.get("regression") and r["role"] in ("B-off", "B-on")]
+    reg = [r for r in rows if r.get("id") == "regression" and r["role"] in ("B-off", "B-on")]
     if len(reg) == 2:
         a, b = (torch.load(rows_path.with_name(f"logits-regression-{role}.pt")) for role in ("B-off", "B-on"))
         off, on = sorted(reg, key=lambda r: r["role"])  # "B-off" < "B-on"
@@ -203,6 +229,10 @@ def summarize(rows_path: Path, out: Path) -> None:
         summary["regression"] = dict(first_token_logit_max_abs_diff=float((a - b).abs().max()),
                                      logit_scale=float(a.abs().max()), argmax_equal=bool(a.argmax() == b.argmax()),
                                      greedy_tokens_agree=f"{agree}/{len(off['tokens'])}", pool_hit=on["pool_hit"])
+    again = rows_path.with_name("logits-regression-again-A.pt")
+    if again.exists() and rows_path.with_name("logits-regression-B-on.pt").exists():
+        a_hit, b_hit = torch.load(again), torch.load(rows_path.with_name("logits-regression-B-on.pt"))
+        summary["on_equals_a_pool_hit_bitwise"] = bool(torch.equal(a_hit, b_hit))
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"{'length':>8} {'arm':>20} {'median s':>9} {'min':>8} {'max':>8} {'n':>3}")
     for (l, k), v in sorted(table.items()):
@@ -274,6 +304,9 @@ def main() -> None:
     run.add_argument("--page-size", default="2MiB")
     run.add_argument("--regression-len", type=int, default=REGRESSION_LEN)
     run.add_argument("--no-verify-checksums", action="store_true", help="B trusts the pool's bytes (runs 3-4 did)")
+    run.add_argument("--chunk-tokens", type=int, default=256, help="pool chunk (a hybrid stores a state per chunk)")
+    run.add_argument("--kv-cache-memory", default="", help="the replicas' KV cache size (default: what is free)")
+    run.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     run.add_argument("--out", default=os.environ.get("OUT", "out/cross_replica"))
     rep_ = sub.add_parser("report")
     rep_.add_argument("--rows", action="append", type=Path, required=True)
@@ -282,6 +315,9 @@ def main() -> None:
     for flag in ("--role", "--pool", "--jobs", "--model", "--rows", "--device"):
         rep.add_argument(flag, required=True)
     rep.add_argument("--max-model-len", type=int, required=True)
+    rep.add_argument("--chunk-tokens", type=int, required=True)
+    rep.add_argument("--kv-cache-memory", default="")
+    rep.add_argument("--kv-cache-dtype", default="auto")
     rep.add_argument("--no-verify-checksums", action="store_true")
     ns = parser.parse_args()
     if ns.mode == "report":

@@ -13,6 +13,7 @@ from kvshare.hf.config import DTYPE_BYTES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # as DTYPE_BYTES
 ATTENTION_BACKENDS = ("auto", "triton", "torch")  # triton: the paged kernel (kvshare.engine.paged_attention)
+LINEAR_BACKENDS = ("auto", "fla", "torch")  # a hybrid model's gated delta rule: fla's kernels (CUDA) or torch
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -34,6 +35,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3 with per-tensor scales
     attention_backend: str = "auto"  # "auto": the paged kernel on CUDA with Triton, else "torch" (gather + SDPA)
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps
+    linear_attention_backend: str = "auto"  # hybrid models: "auto" = fla's kernels on CUDA when installed, else torch
 
     def __post_init__(self):
         if self.load_format not in ("auto", "dummy"):
@@ -49,6 +51,16 @@ class EngineConfig:
         if self.attention_backend == "triton" and not paged_attention.available(torch.device(self.device)):
             raise ValueError("--attention-backend triton needs a CUDA device and Triton (torch's CUDA builds ship "
                              "it), or TRITON_INTERPRET=1 on a CPU: use auto or torch")
+
+        if self.linear_attention_backend not in LINEAR_BACKENDS:
+            raise ValueError(f"linear attention backend {self.linear_attention_backend!r} unknown: use one of "
+                             f"{', '.join(LINEAR_BACKENDS)}")
+        if self.linear_attention_backend == "fla":
+            from kvshare.engine import fla_rule
+
+            if not fla_rule.available(torch.device(self.device)):
+                raise ValueError("--linear-attention-backend fla needs a CUDA device and the fla-core package "
+                                 "(pip install fla-core): use auto or torch")
 
     @property
     def torch_kv_dtype(self) -> torch.dtype:

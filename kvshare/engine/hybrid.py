@@ -125,6 +125,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(lin.value_head_dim, c.rms_norm_eps)
         self.out_proj = nn.Linear(values, c.hidden_size, bias=False)
         self.splits = [keys, keys, values]
+        self.rule = gated_delta_prefill  # or kvshare.engine.fla_rule.fla_prefill (HybridCausalLM.use_fla)
 
     def _inputs(self, x: torch.Tensor, mixed: torch.Tensor):
         """q, k (N, value_heads, key_dim), v (N, value_heads, value_dim), g, beta (N, value_heads) from the conv's
@@ -152,15 +153,17 @@ class GatedDeltaNet(nn.Module):
         (T, hidden) and the state after each position in snapshot_at."""
         mixed = self.in_proj_qkv(x)  # (T, conv_dim)
         kernel = self.conv1d.weight[:, 0, :]  # (conv_dim, K)
-        window = torch.cat((state.conv[0], mixed.t()), dim=-1)  # (conv_dim, K-1+T): what the conv saw, in time order
-        conv_out, state.conv[0] = causal_conv(mixed, kernel, state.conv[0])
-        q, k, v, g, beta = self._inputs(x, conv_out)
-        core, final, snaps = gated_delta_prefill(q, k, v, g, beta, state.recurrent[0], start, STATE_BLOCK,
-                                                 snapshot_at)
-        state.recurrent[0] = final
         keep = state.conv.shape[-1]
-        snapshots = {p: RecurrentState(snaps[p][None], window[:, p - start : p - start + keep][None].clone())
-                     for p in snapshot_at}
+        # The conv state after position p: the last K-1 inputs before it (the slot's old state where they reach back)
+        conv_at = {p: torch.cat((state.conv[0], mixed[max(0, p - start - keep) : p - start].t()), dim=-1)[:, -keep:]
+                   for p in snapshot_at}  # (conv_dim, K-1) each; taken before the slot is overwritten
+        conv_out, state.conv[0] = causal_conv(mixed, kernel, state.conv[0])
+        del mixed
+        q, k, v, g, beta = self._inputs(x, conv_out)
+        del conv_out
+        core, final, snaps = self.rule(q, k, v, g, beta, state.recurrent[0], start, STATE_BLOCK, snapshot_at)
+        state.recurrent[0] = final
+        snapshots = {p: RecurrentState(snaps[p][None], conv_at[p][None]) for p in snapshot_at}
         return self._output(x, core), snapshots
 
     def decode(self, x: torch.Tensor, state: RecurrentState) -> tuple[torch.Tensor, RecurrentState]:
@@ -246,6 +249,14 @@ class HybridCausalLM(nn.Module):
         self.model = HybridModel(config)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def use_fla(self) -> None:
+        """Linear layers' prefill through flash-linear-attention's kernels from now on (CUDA: engine/fla_rule.py)."""
+        from kvshare.engine.fla_rule import fla_prefill
+
+        for module in self.modules():
+            if isinstance(module, GatedDeltaNet):
+                module.rule = fla_prefill
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight

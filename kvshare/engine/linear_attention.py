@@ -76,7 +76,7 @@ def _check_state(state: torch.Tensor) -> None:
         raise ValueError(f"gated delta states must be float32, got {state.dtype}")
 
 
-def _check_span(start: int, t: int, block: int, snapshot_at: Sequence[int]) -> None:
+def check_span(start: int, t: int, block: int, snapshot_at: Sequence[int]) -> None:
     if block <= 0:
         raise ValueError(f"block must be positive, got {block}")
     if start % block:
@@ -132,7 +132,7 @@ def gated_delta_prefill(
     fp32, the state before absolute position `start` (a multiple of `block`). Returns (out (T, H, Dv) in v's dtype,
     final state, {p: state after the first p - start tokens} for each p in snapshot_at, multiples of block)."""
     t = q.shape[0]
-    _check_span(start, t, block, snapshot_at)
+    check_span(start, t, block, snapshot_at)
     _check_state(state)
     wanted = set(snapshot_at)
     # A private contiguous copy, so the first block sees the same layout whether the state came from a pool view or

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from kvshare.engine import paged_attention
+from kvshare.engine import fla_rule, paged_attention
 from kvshare.engine.attention import decode_step
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.cuda_graphs import DecodeGraphs, capture_sizes
@@ -80,6 +80,8 @@ class ModelRunner:
                                  self.usable_blocks * config.block_size)
         self.decode_partition = paged_attention.decode_partition(self.max_model_len)
         self.graphs: DecodeGraphs | None = None
+        if self.states is not None and config.linear_attention_backend != "torch" and fla_rule.available(self.device):
+            self.model.use_fla()
         if self.paged:
             self._prepare_kernels(use_graphs)
 

@@ -69,8 +69,14 @@ class StateSlots:
             c.index_copy_(0, index, new.conv.to(c.dtype))
 
     def pack(self, states: list[RecurrentState]) -> torch.Tensor:
-        """A packed copy (batch of one) of per-layer states: what the pool stores for a chunk boundary."""
-        return self.layout.pack([t for s in states for t in (s.recurrent[0], s.conv[0])], self.recurrent.device)
+        """A packed copy (batch of one) of per-layer states in host memory (pinned beside a GPU): what the pool stores
+        for a chunk boundary. On the host because a long prompt passes many boundaries (64 states of 147 MiB at 256k
+        in 4096-token chunks for the Qwen3.5-27B shape) and the store copies them into the arena anyway."""
+        pinned = self.recurrent.device.type == "cuda"
+        packed = torch.zeros(self.layout.nbytes, dtype=torch.uint8, pin_memory=pinned)
+        for view, tensor in zip(self.layout.views(packed), (t for s in states for t in (s.recurrent[0], s.conv[0]))):
+            view.copy_(tensor)  # device -> host: synchronous, so the slot may change right after
+        return packed
 
     def unpack(self, slot: int, packed: torch.Tensor) -> None:
         """Fill the slot from a packed state (a pool load's)."""

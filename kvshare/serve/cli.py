@@ -54,6 +54,9 @@ def register(cli) -> None:
                        help="auto = triton on CUDA (a paged-attention kernel reading the KV cache in place: prefill "
                             "tails after a prefix hit and decode), torch elsewhere (each context gathered, then "
                             "SDPA) (default: %(default)s)")
+    serve.add_argument("--linear-attention-backend", choices=("auto", "fla", "torch"), default="auto",
+                       help="hybrid models' Gated DeltaNet prefill: auto = flash-linear-attention's kernels on CUDA "
+                            "when the fla-core package is installed, else the torch form (default: %(default)s)")
     serve.add_argument("--enforce-eager", action="store_true",
                        help="CUDA: run decode steps eagerly instead of as CUDA graphs captured at start (one per "
                             "batch size 1, 2, 4, ... up to --max-num-seqs; they need the triton backend)")
@@ -116,6 +119,7 @@ def engine_config(args: argparse.Namespace):
         max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk, max_num_seqs=args.max_num_seqs,
         seed=args.seed, served_model_name=args.served_model_name, model_id=args.model_id,
         kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend,
+        linear_attention_backend=args.linear_attention_backend,
         enforce_eager=args.enforce_eager,
     )
 
