@@ -4,7 +4,14 @@ model fits only one at a time, so A runs, stores its documents and exits, then B
     PYTHONPATH=/tmp/site:. python3 experiments/h200_cross_replica.py --lengths 32768,131072 --reps 2,2 --out $OUT
     # the hybrid 27B shape (issue 31): K/V of 16 attention layers + one state per 4096-token chunk
     PYTHONPATH=/tmp/site:. python3 experiments/h200_cross_replica.py run --preset qwen3.5-27b --chunk-tokens 4096 \
-        --kv-cache-memory 20GiB --pool-size 64GiB --lengths 131072,262144 --reps 1,1 --out $OUT
+        --kv-cache-memory 20GiB --pool-size 64GiB --lengths 131072,262144 --reps 1,1 --blocks ON1,OFF1 \
+        --questions 3 --warmup-len 8192 --out $OUT
+
+--blocks picks the blocks and their order (the 27B hybrid's OFF costs ~30 s at 128k and a replica start ~50 s, so a
+ten-minute call holds one ON and one OFF block); --questions has B ask several questions about each stored
+document (each a pool hit of the same chunks: spread without another 256k prefill on A); --warmup-len makes each
+replica process serve one unrecorded request first (the Triton kernels compile and autotune on a process's first
+request: 16-60 s in run 30), A storing it and B loading it, so that what is recorded is the steady state.
 
 Each replica is a process running the kvshare engine in-process (no HTTP): TTFT = submit -> first token event,
 with the device synchronised by the sampler's read of the logits. OFF blocks run B without a pool (A's warm request
@@ -68,6 +75,9 @@ def replica(args) -> None:
     from kvshare.engine.pool_connector import PoolConnector
 
     jobs = json.loads(Path(args.jobs).read_text())
+    if args.warmup_len:  # unrecorded (see the module docstring); a fixed document, so that B-on's warm-up is a hit
+        jobs.insert(0, dict(id="warmup", block="WARM", arm="WARM", length=args.warmup_len, rep=0, seed=5,
+                            question=6, warmup=True))
     started = time.perf_counter()
     from kvshare.units import parse_size
 
@@ -112,6 +122,9 @@ def replica(args) -> None:
             row = dict(job, role=args.role, ttft_s=first[0] if first else None, finish=event.finish_reason,
                        error=event.error, prompt_tokens=len(prompt), local_hit=event.usage.local_hit_tokens,
                        pool_hit=event.usage.pool_hit_tokens, replica_ready_s=ready)
+            if job.get("warmup") and row["ttft_s"] is not None:
+                print(f"  {args.role:>6} warm-up {job['length']} tokens: {row['ttft_s']:.3f} s", flush=True)
+                continue
             if job.get("regression"):
                 row["tokens"] = tokens
                 torch.save(logits[-1].float().cpu(), Path(args.rows).with_name(f"logits-{job['id']}-{args.role}.pt"))
@@ -135,7 +148,8 @@ def run_replica(role: str, pool: str, jobs: list[dict], ns) -> None:
     command = [sys.executable, __file__, "replica", "--role", role, "--pool", pool, "--jobs", str(jobs_file),
                "--model", ns.model, "--rows", str(ns.rows), "--device", ns.device,
                "--max-model-len", str(ns.max_model_len), "--chunk-tokens", str(ns.chunk_tokens),
-               "--kv-cache-memory", ns.kv_cache_memory, "--kv-cache-dtype", ns.kv_cache_dtype]
+               "--kv-cache-memory", ns.kv_cache_memory, "--kv-cache-dtype", ns.kv_cache_dtype,
+               "--warmup-len", str(ns.warmup_len)]
     if ns.no_verify_checksums:
         command.append("--no-verify-checksums")
     subprocess.run(command, check=True, env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
@@ -183,7 +197,7 @@ def orchestrate(ns) -> None:
     seed = iter(range(1000, 10**6))
     blocks = {name: [dict(id=f"{name}-{l}-{r}", block=name, arm=name[:-1], length=l, rep=r, seed=next(seed),
                           question=next(seed)) for l, n in zip(lengths, reps) for r in range(n)]
-              for name in ("OFF1", "ON1", "ON2", "OFF2")}
+              for name in ns.blocks.split(",")}
     regression = dict(id="regression", block="REG", arm="REG", length=ns.regression_len, rep=0, seed=7, question=8,
                       regression=True, max_tokens=16) if ns.regression_len else None
     again = dict(regression, id="regression-again") if regression else None  # A's own pool hit (a hybrid's)
@@ -202,8 +216,10 @@ def orchestrate(ns) -> None:
                 with PoolClient.connect(address) as client:
                     client.clear()
                 run_replica("A", address, cycle, ns)
-                run_replica("B-on", address, [dict(j, question=j["question"] + 1) if not j.get("regression") else j
-                                              for j in cycle], ns)
+                run_replica("B-on", address, [j if j.get("regression") else
+                                              dict(j, id=f"{j['id']}-q{q}", question=j["question"] + 1 + q)
+                                              for j in cycle for q in range(1 if j.get("regression") else
+                                                                            ns.questions)], ns)
     summarize(ns.rows, out)
 
 
@@ -307,6 +323,9 @@ def main() -> None:
     run.add_argument("--chunk-tokens", type=int, default=256, help="pool chunk (a hybrid stores a state per chunk)")
     run.add_argument("--kv-cache-memory", default="", help="the replicas' KV cache size (default: what is free)")
     run.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    run.add_argument("--blocks", default="OFF1,ON1,ON2,OFF2", help="which blocks run, in order (OFFn, ONn)")
+    run.add_argument("--questions", type=int, default=1, help="B-on's questions per stored document")
+    run.add_argument("--warmup-len", type=int, default=0, help="tokens of each process's unrecorded first request")
     run.add_argument("--out", default=os.environ.get("OUT", "out/cross_replica"))
     rep_ = sub.add_parser("report")
     rep_.add_argument("--rows", action="append", type=Path, required=True)
@@ -319,6 +338,7 @@ def main() -> None:
     rep.add_argument("--kv-cache-memory", default="")
     rep.add_argument("--kv-cache-dtype", default="auto")
     rep.add_argument("--no-verify-checksums", action="store_true")
+    rep.add_argument("--warmup-len", type=int, default=0)
     ns = parser.parse_args()
     if ns.mode == "report":
         return report(ns.rows, ns.out)

@@ -24,14 +24,22 @@ def inputs(t: int, heads: int = 4, dim: int = 64, dtype=torch.bfloat16, seed: in
     return q, k, v, decay, beta, state
 
 
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
 def test_fla_agrees_with_the_torch_form():
-    """Same outputs and final state as the torch form (bf16 inputs, fp32 state) to bf16 rounding, with a
-    non-zero initial state and a length that is not a multiple of 64."""
+    """Same outputs and final state as the torch form (bf16 inputs, fp32 state), with a non-zero initial state and a
+    length that is not a multiple of 64, to the relative error of bf16 matmuls in another order (~1e-3; a wrong
+    decay, gate or normalisation is off by tens of percent). A relative norm, not elementwise tolerances: the two
+    accumulate in different orders over 1000 steps of a long memory."""
     q, k, v, g, beta, state = inputs(1000)
     out, final, _ = fla_rule.fla_prefill(q, k, v, g, beta, state)
     ref_out, ref_final, _ = gated_delta_prefill(q, k, v, g, beta, state)
-    torch.testing.assert_close(out.float(), ref_out.float(), atol=3e-2, rtol=3e-2)
-    torch.testing.assert_close(final, ref_final, atol=3e-3, rtol=3e-3)
+    assert out.shape == ref_out.shape and final.shape == ref_final.shape and final.dtype == torch.float32
+    errors = {"output": relative_error(out, ref_out), "state": relative_error(final, ref_final)}
+    print(f"fla vs torch form, relative error: {errors}")
+    assert errors["output"] < 2e-2 and errors["state"] < 2e-2, errors
 
 
 def test_fla_is_split_invariant_at_chunk_boundaries_bitwise():

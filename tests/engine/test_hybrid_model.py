@@ -28,11 +28,25 @@ def engine_tokens(model_dir, prompts, max_tokens=12, **fields):
         engine.shutdown()
 
 
-def test_greedy_tokens_and_logits_equal_transformers(hybrid_model):
+def transformers_torch_forms(monkeypatch) -> None:
+    """transformers calls flash-linear-attention's (and causal-conv1d's) Triton kernels in place of its torch forms
+    whenever those packages import, CPU tensors or not (a Triton "cpu tensor?" error on a machine with fla-core, as
+    the H200 host has); the reference here is the torch forms, which each wrapper keeps as __wrapped__."""
+    import importlib
+    import inspect
+
+    modeling = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                 "causal_conv1d_update"):
+        monkeypatch.setattr(modeling, name, inspect.unwrap(getattr(modeling, name)))
+
+
+def test_greedy_tokens_and_logits_equal_transformers(hybrid_model, monkeypatch):
     """The same folder through transformers' Qwen3_5ForCausalLM (its torch reference forms) gives the same greedy
     tokens, and the prompt's last logits agree to fp32 rounding: the layer pattern, the gated attention with partial
     rotary and zero-centred norms, the conv and the gated delta rule are the public model's."""
     transformers = pytest.importorskip("transformers")
+    transformers_torch_forms(monkeypatch)
     reference = transformers.AutoModelForCausalLM.from_pretrained(str(hybrid_model), dtype=torch.float32).eval()
     assert type(reference).__name__ == "Qwen3_5ForCausalLM"
     with torch.no_grad():
