@@ -1,5 +1,5 @@
 """Issue 19, run 12 on one H200: replica start-up with the arena registered in pieces, and fp8 vs bf16 cross-replica
-ON TTFT with the transfer floor measured in the same run. Driven by experiments/h200_run12.sh (pytest first).
+ON TTFT with the transfer floor measured in the same run. Driven by `experiments/h200.py run12` (pytest first).
 
     PYTHONPATH=/tmp/site:.:experiments python3 experiments/h200_run12.py run --out $OUT --budget 380
 

@@ -1,5 +1,5 @@
 """Issue 19, run 13 on one H200: why a replica attached to a 100 GiB pool waits for the arena's whole DMA registration
-(run 12: +33 s), and a pool restarted twice under an attached CUDA connector. Driven by experiments/h200_run13.sh.
+(run 12: +33 s), and a pool restarted twice under an attached CUDA connector. Driven by `experiments/h200.py run13`.
 
     PYTHONPATH=/tmp/site:.:experiments python3 experiments/h200_run13.py run --out $OUT --budget 470
 
