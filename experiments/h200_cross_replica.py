@@ -260,8 +260,25 @@ def summarize(rows_path: Path, out: Path) -> None:
 STUDY = {131072: (31.715, 0.605), 262144: (92.047, 0.790)}  # the case study's medians (27B model), OFF -> ON
 
 
-def report(rows_paths: list[Path], out: Path) -> None:
-    """Merge runs' rows into one table (markdown) and one plot: TTFT by input length, OFF vs ON, log scale."""
+def floor_s(length: int, preset: str, chunk_tokens: int, kv_cache_dtype: str, gbps: float) -> float:
+    """The transfer floor of B's hit on a `length`-token document: the bytes of every hit chunk's K/V and (a hybrid)
+    one state, at the host->device copy rate measured on the machine (h200_floor.py: 55.2 GB/s on the H200)."""
+    import torch
+
+    from kvshare.engine.make_model import PRESETS, hf_config
+    from kvshare.hf.config import ModelConfig
+    from kvshare.transfer.state import StateLayout
+
+    config = ModelConfig.from_hf(hf_config(PRESETS[preset], 0, 1))
+    hit = length // chunk_tokens * chunk_tokens
+    kv = hit * config.kv_bytes_per_token("bfloat16") // (2 if kv_cache_dtype == "fp8" else 1)
+    state = StateLayout.of_model(config, torch.float32, torch.bfloat16).nbytes if config.linear else 0
+    return (kv + state) / (gbps * 1e9)
+
+
+def report(rows_paths: list[Path], out: Path, floor=None, title: str = "qwen2.5-32b shape") -> None:
+    """Merge runs' rows into one table (markdown) and one plot: TTFT by input length, OFF vs ON, log scale;
+    `floor(length)` (seconds), if given, is a column of the table and a line of the plot."""
     import statistics
 
     import matplotlib
@@ -269,6 +286,7 @@ def report(rows_paths: list[Path], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    out.mkdir(parents=True, exist_ok=True)
     rows = [json.loads(line) for path in rows_paths for line in path.read_text().splitlines()]
     rows = [r for r in rows if not r.get("regression") and r.get("ttft_s") is not None]
     groups: dict[tuple[int, str], list[float]] = {}
@@ -282,8 +300,8 @@ def report(rows_paths: list[Path], out: Path) -> None:
                                   {"A": "A (first, stores)", "B-off": "OFF", "B-on": "ON"}[r["role"]] == arm}))
         lines.append(f"| {length} | {arm} | {len(values)} | {statistics.median(values):.3f} | {min(values):.3f} | "
                      f"{max(values):.3f} | {blocks} |")
-    lines += ["", "| input | ours OFF -> ON (median s) | speedup | study OFF -> ON (27B, 2 GPUs) | study speedup |",
-              "| --- | --- | --- | --- | --- |"]
+    lines += ["", "| input | ours OFF -> ON (median s) | speedup | transfer floor s | ON minus floor | "
+              "study OFF -> ON (27B, 2 GPUs) | study speedup |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for length in sorted({l for l, _ in groups}):
         off, on = groups.get((length, "OFF")), groups.get((length, "ON"))
         if not off or not on:
@@ -291,7 +309,8 @@ def report(rows_paths: list[Path], out: Path) -> None:
         m_off, m_on = statistics.median(off), statistics.median(on)
         study = STUDY.get(length) or STUDY.get(262144 if length > 200000 else -1)
         cell = f"{study[0]:.3f} -> {study[1]:.3f} | {study[0] / study[1]:.0f}x" if study else "- | -"
-        lines.append(f"| {length} | {m_off:.3f} -> {m_on:.3f} | {m_off / m_on:.1f}x | {cell} |")
+        floor_cell = f"{floor(length):.3f} | {m_on - floor(length):.3f}" if floor else "- | -"
+        lines.append(f"| {length} | {m_off:.3f} -> {m_on:.3f} | {m_off / m_on:.1f}x | {floor_cell} | {cell} |")
     (out / "cross_replica_summary.md").write_text("\n".join(lines) + "\n")
     fig, ax = plt.subplots(figsize=(6, 4))
     for arm, marker in (("OFF", "o"), ("ON", "s"), ("A (first, stores)", "x")):
@@ -299,8 +318,11 @@ def report(rows_paths: list[Path], out: Path) -> None:
         ax.plot(xs, [statistics.median(groups[(x, arm)]) for x in xs], marker=marker, label=arm)
         for x in xs:
             ax.vlines(x, min(groups[(x, arm)]), max(groups[(x, arm)]), alpha=0.4)
+    if floor:
+        xs = sorted({l for l, _ in groups})
+        ax.plot(xs, [floor(x) for x in xs], linestyle="--", color="grey", label="transfer floor")
     ax.set(xscale="log", yscale="log", xlabel="input tokens", ylabel="TTFT (s), median with min-max",
-           title="Cross-replica TTFT, qwen2.5-32b shape, one H200")
+           title=f"Cross-replica TTFT, {title}, one H200")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "cross_replica_ttft.png", dpi=120)
@@ -330,6 +352,10 @@ def main() -> None:
     rep_ = sub.add_parser("report")
     rep_.add_argument("--rows", action="append", type=Path, required=True)
     rep_.add_argument("--out", type=Path, required=True)
+    rep_.add_argument("--preset", default="", help="with --chunk-tokens: the transfer floor beside ON")
+    rep_.add_argument("--chunk-tokens", type=int, default=256)
+    rep_.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    rep_.add_argument("--gbps", type=float, default=55.2, help="host->device copy rate of the floor (GB/s)")
     rep = sub.add_parser("replica")
     for flag in ("--role", "--pool", "--jobs", "--model", "--rows", "--device"):
         rep.add_argument(flag, required=True)
@@ -341,7 +367,9 @@ def main() -> None:
     rep.add_argument("--warmup-len", type=int, default=0)
     ns = parser.parse_args()
     if ns.mode == "report":
-        return report(ns.rows, ns.out)
+        floor = (lambda length: floor_s(length, ns.preset, ns.chunk_tokens, ns.kv_cache_dtype, ns.gbps)) \
+            if ns.preset else None
+        return report(ns.rows, ns.out, floor, f"{ns.preset or 'qwen2.5-32b'} shape")
     replica(ns) if ns.mode == "replica" else orchestrate(ns)
 
 
