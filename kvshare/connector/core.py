@@ -17,7 +17,9 @@ Invariants:
   whole therefore recomputes between 1 and block_size tokens, not up to a chunk.
 - A hybrid model (a StateLayout given) stores each full chunk followed by the linear layers' state at its last token
   (kvshare.keys.with_states; no tails), and a hit ends where the last chunk whose state the pool holds ends: the
-  state is loaded and verified before any KV copy starts, and a hit is never reported without it.
+  state is loaded and verified before any KV copy starts, and a hit is never reported without it. A boundary where
+  the engine kept no state (vLLM keeps one only where a prefill step ended) is stored as a NO_STATE marker
+  (kvshare.transfer.state) when a later state follows; a hit never ends on one.
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ from kvshare.transfer import (
     arena_pages,
     make_transfer,
 )
-from kvshare.transfer.state import StateLayout, load_state, store_state
+from kvshare.transfer.state import NO_STATE_NBYTES, StateLayout, load_state, store_state
 
 log = logging.getLogger("kvshare.connector")
+_NO_STATE = torch.zeros(NO_STATE_NBYTES, dtype=torch.uint8)  # what a NO_STATE marker holds
 
 
 class PoolHit(msgspec.Struct, frozen=True):
@@ -109,6 +112,8 @@ class ConnectorCore:
         block_tokens = block_tokens or config.chunk_tokens
         if config.chunk_tokens % block_tokens:
             raise ValueError(f"chunk_tokens {config.chunk_tokens} must be a multiple of the block size {block_tokens}")
+        if state_layout is not None and state_layout.nbytes == NO_STATE_NBYTES:
+            raise ValueError(f"a packed state of {NO_STATE_NBYTES} bytes cannot be told from a boundary without one")
         self.config = config
         self.chunk_tokens = config.chunk_tokens
         self.block_tokens = block_tokens
@@ -184,7 +189,8 @@ class ConnectorCore:
 
     def _find_with_state(self, token_ids: Sequence[int], num_computed: int, salt: str) -> PoolHit | None:
         """A hybrid model's hit: whole chunks before the last token, up to the last one whose state the pool holds
-        (the verified prefix of chunk, state, chunk, state...; a chunk found without its state is not part of it)."""
+        (the verified prefix of chunk, state, chunk, state...; a chunk found without its state is not part of it,
+        nor is a chunk whose boundary was stored as a NO_STATE marker, unless a later real state follows)."""
         namespace, plan = self.prompt_plan(token_ids, salt)
         chunk = self.chunk_tokens
         usable = (len(token_ids) - 1) // chunk  # chunks that end before the last token
@@ -197,6 +203,8 @@ class ConnectorCore:
             return None
         lookup, instance = found
         pairs, first = len(lookup.chunks) // 2, -(-num_computed // chunk)
+        while pairs and lookup.chunks[2 * pairs - 1].nbytes != self.state_layout.nbytes:
+            pairs -= 1  # a NO_STATE marker: the hit ends at the last boundary with a real state
         if pairs * chunk <= num_computed or num_computed % chunk:  # a state exists only at chunk ends
             if lookup.lease:
                 self._link.call("release", lambda c: c.release(lookup.lease))
@@ -517,12 +525,13 @@ class ConnectorCore:
 
     def _store_with_states(self, token_ids: Sequence[int], block_ids: Sequence[int], num_stored: int, salt: str,
                            states: Mapping[int, torch.Tensor]) -> StoreHandle | None:
-        """A hybrid model's store: each new full chunk and then its state, in one RESERVE, up to the first chunk whose
-        state the engine did not keep (the chain needs every state before a later one is of use)."""
+        """A hybrid model's store: each new full chunk and then its state, in one RESERVE, up to the last chunk whose
+        state the engine kept; a boundary before it without a state (an engine that keeps states only where a
+        prefill step ended: vLLM) gets a NO_STATE marker, which keeps the chain whole and is never a hit's end."""
         namespace, plan = self.prompt_plan(token_ids, salt)
         chunk, kv = self.chunk_tokens, self._kv
-        first, end = -(-num_stored // chunk), len(plan) // 2
-        end = next((i for i in range(first, end) if (i + 1) * chunk not in states), end)
+        first = -(-num_stored // chunk)
+        end = max((i + 1 for i in range(first, len(plan) // 2) if (i + 1) * chunk in states), default=first)
         if first >= end or kv is None:
             return None
 
@@ -531,7 +540,7 @@ class ConnectorCore:
             pair_pages = -(-kv_bytes // client.page_size) + self.state_layout.pages_for(client.page_size)
             last = self._within_lease_limit(first, end, pair_pages)
             new = [NewChunk(key=plan.keys[j], parent=plan.parents[j], tokens=plan.tokens[j],
-                            nbytes=kv_bytes if j % 2 == 0 else self.state_layout.nbytes)
+                            nbytes=kv_bytes if j % 2 == 0 else self._state_nbytes(states, j // 2))
                    for j in range(2 * first, 2 * last)]
             return (client.reserve(namespace.key, new), _instance_of(client)) if new else None
 
@@ -553,7 +562,8 @@ class ConnectorCore:
             if transfer is None:
                 break
             if j % 2:
-                order.append(("state", store_state(transfer.pages, ref.pages, states[(i + 1) * self.chunk_tokens])))
+                packed = states.get((i + 1) * self.chunk_tokens, _NO_STATE)
+                order.append(("state", store_state(transfer.pages, ref.pages, packed)))
             else:
                 jobs.append(StoreJob(block_ids=list(block_ids[i * per_chunk : (i + 1) * per_chunk]),
                                      pages=list(ref.pages)))
@@ -574,6 +584,10 @@ class ConnectorCore:
         self._committer.submit(pending)
         return StoreHandle(is_done=handle.done, block_ids=tuple(b for job in jobs for b in job.block_ids),
                            is_settled=pending.settled.is_set)
+
+    def _state_nbytes(self, states: Mapping[int, torch.Tensor], chunk_index: int) -> int:
+        """The size of the object after chunk `chunk_index`: its state, or a NO_STATE marker where there is none."""
+        return self.state_layout.nbytes if (chunk_index + 1) * self.chunk_tokens in states else NO_STATE_NBYTES
 
     def _commit(self, lease: int, checksums: list[int]) -> bool:
         """COMMIT a store's lease (the committer thread calls this once the copies are done); False if refused."""

@@ -22,6 +22,9 @@ from kvshare.hf.config import ModelConfig
 from kvshare.transfer.checksum import arena_checksum
 
 ALIGN = 64
+# The pool object stored at a chunk boundary where the engine kept no state (vLLM keeps one only where a prefill step
+# ended): it holds the chain together up to a later state, and a hit never ends on it (its size tells it apart).
+NO_STATE_NBYTES = 8
 
 
 @dataclass(frozen=True)
@@ -53,9 +56,14 @@ class StateLayout:
             raise ValueError(f"{config.architecture} has no linear-attention layers: it has no state to store")
         shapes = [((lin.num_value_heads, lin.key_head_dim, lin.value_head_dim), state_dtype),
                   ((lin.conv_dim, lin.conv_kernel - 1), conv_dtype)] * len(lin.linear_layers)
+        return cls.of_parts(shapes)
+
+    @classmethod
+    def of_parts(cls, shapes: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> StateLayout:
+        """The packed state of these (shape, dtype) parts, in this order (another engine's own state tensors)."""
         parts, offset = [], 0
         for shape, dtype in shapes:
-            parts.append(StatePart(shape, dtype, offset))
+            parts.append(StatePart(tuple(shape), dtype, offset))
             offset = -(-(offset + parts[-1].nbytes) // ALIGN) * ALIGN
         return cls(tuple(parts), offset)
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -15,8 +16,10 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
 from kvshare import identity
 from kvshare.connector import ConnectorConfig
 from kvshare.connector.config import from_extra_config
+from kvshare.integrations.vllm.hybrid import HybridGroups
 from kvshare.keys import Namespace
 from kvshare.transfer import KVLayout
+from kvshare.transfer.state import StateLayout
 
 log = logging.getLogger("vllm.kvshare")  # under vLLM's logger, so its handlers show our lines
 
@@ -24,18 +27,34 @@ log = logging.getLogger("vllm.kvshare")  # under vLLM's logger, so its handlers 
 LAYOUT_KINDS = {"LBHNC": "vllm_lbhnc", "LBNHC": "vllm_lbnhc"}
 
 
+# TESTS ONLY: the negative control of hybrid sharing (ConnectorConfig.unsafe_skip_state_load), which
+# tests/integrations/test_vllm_hybrid.py must reach in a vLLM subprocess. Named so that nobody sets it by accident.
+UNSAFE_SKIP_STATE_LOAD = "unsafe_skip_state_load_for_tests"
+
+
 def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
     """ConnectorConfig from `kv_connector_extra_config`: {"pool": address, "chunk_tokens", "timeout", ...}
     (kvshare.connector.config.from_extra_config lists the keys)."""
-    return from_extra_config(dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {}))
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    unsafe = extra.pop(UNSAFE_SKIP_STATE_LOAD, False) is True
+    config = from_extra_config(extra)
+    if unsafe:
+        log.warning("kvshare: %s is set: hybrid hits load attention K/V WITHOUT their state (wrong answers; tests "
+                    "only)", UNSAFE_SKIP_STATE_LOAD)
+        config = dataclasses.replace(config, unsafe_skip_state_load=True)
+    return config
 
 
-def expected_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVLayout:
-    """The KVLayout both halves agree on before any tensor exists (num_blocks is not part of its identity)."""
+def expected_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                    hybrid: HybridGroups | None = None) -> KVLayout:
+    """The KVLayout both halves agree on before any tensor exists (num_blocks is not part of its identity): of the
+    one KV cache group, or of a hybrid model's attention group (`hybrid`, from hybrid.hybrid_groups)."""
     parallel = vllm_config.parallel_config
     if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
         raise ValueError("KVShareConnector supports tensor_parallel_size 1 and pipeline_parallel_size 1 for now")
     groups = kv_cache_config.kv_cache_groups
+    if hybrid is not None:
+        groups = [groups[hybrid.attention]]
     spec = groups[0].kv_cache_spec if len(groups) == 1 else None
     if not isinstance(spec, AttentionSpec) or spec.head_size_v != spec.head_size:
         raise ValueError(
@@ -54,12 +73,14 @@ def expected_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
     )
 
 
-def namespace(vllm_config: VllmConfig, layout: KVLayout, chunk_tokens: int) -> Namespace:
-    """Replicas of the same model identity (config, weights' bytes, dtype, quantization, "model_id"), KV layout and
-    chunk size share; anything else never does."""
+def namespace(vllm_config: VllmConfig, layout: KVLayout, chunk_tokens: int,
+              state_layout: StateLayout | None = None) -> Namespace:
+    """Replicas of the same model identity (config, weights' bytes, dtype, quantization, "model_id"), KV layout,
+    state layout (a hybrid model's) and chunk size share; anything else never does."""
+    layout_id = layout.layout_id() + ("" if state_layout is None else "|" + state_layout.layout_id())
     try:
         return Namespace.of_replica(model_identity(vllm_config), str(layout.dtype).removeprefix("torch."),
-                                    layout.layout_id(), layout.block_size, chunk_tokens)
+                                    layout_id, layout.block_size, chunk_tokens)
     except ValueError as error:
         raise ValueError(f"KVShareConnector {error}: set \"chunk_tokens\" in kv_connector_extra_config or vLLM's "
                          "--block-size") from None

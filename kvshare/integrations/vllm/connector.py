@@ -1,4 +1,8 @@
-"""`KVShareConnector`: vLLM's KVConnectorBase_V1 hooks, each forwarded to the scheduler half or the worker half."""
+"""`KVShareConnector`: vLLM's KVConnectorBase_V1 hooks, each forwarded to the scheduler half or the worker half.
+
+It declares SupportsHMA, so vLLM keeps its hybrid KV cache manager on: a model of one KV cache group runs as before
+(the plain path), a hybrid model with mamba groups in align mode shares its states too (kvshare.integrations.vllm
+.hybrid), and a model of several attention groups (sliding windows) is refused at start-up with what to set."""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -18,6 +24,7 @@ from vllm.v1.outputs import KVConnectorOutput
 
 from kvshare.connector import ConnectorCore
 from kvshare.integrations.vllm import config as cfg
+from kvshare.integrations.vllm.hybrid import hybrid_groups
 from kvshare.integrations.vllm.metadata import KVShareMetadata
 from kvshare.integrations.vllm.scheduler import SchedulerSide
 from kvshare.integrations.vllm.stats import Increments, KVSharePromMetrics, KVShareStats
@@ -49,7 +56,7 @@ def show_library_logs() -> None:
 show_library_logs()
 
 
-class KVShareConnector(KVConnectorBase_V1):
+class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
     """Shares full KV chunks between vLLM replicas through a kvshare pool; any pool failure costs only recompute."""
 
     _cache_hit_source = CacheHitSource.HOST
@@ -57,12 +64,16 @@ class KVShareConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         config = cfg.connector_config(vllm_config)
-        layout = cfg.expected_layout(vllm_config, kv_cache_config)
-        core = ConnectorCore(config, cfg.namespace(vllm_config, layout, config.chunk_tokens), layout.block_size)
+        hybrid = hybrid_groups(vllm_config, kv_cache_config, config.chunk_tokens)
+        layout = cfg.expected_layout(vllm_config, kv_cache_config, hybrid)
+        state_layout = hybrid.state_layout if hybrid is not None else None
+        core = ConnectorCore(config, cfg.namespace(vllm_config, layout, config.chunk_tokens, state_layout),
+                             layout.block_size, state_layout=state_layout)
         self.core = core
         self._increments = Increments(core.stats)  # this half's counters, reported to vLLM's metrics
-        self._scheduler = SchedulerSide(core, layout.block_size) if role == KVConnectorRole.SCHEDULER else None
-        self._worker = WorkerSide(core, layout) if role == KVConnectorRole.WORKER else None
+        scheduler = role == KVConnectorRole.SCHEDULER
+        self._scheduler = SchedulerSide(core, layout.block_size, hybrid) if scheduler else None
+        self._worker = WorkerSide(core, layout, hybrid) if role == KVConnectorRole.WORKER else None
         if role == KVConnectorRole.SCHEDULER and self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.warning('kv_load_failure_policy is "%s": a failed pool load will fail its request; set '
                         '"kv_load_failure_policy":"recompute" in --kv-transfer-config to recompute instead',
@@ -74,7 +85,7 @@ class KVShareConnector(KVConnectorBase_V1):
 
     # ---- scheduler side ------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._scheduler.matched(request, num_computed_tokens), False  # loads are synchronous
+        return self._scheduler.matched(request, num_computed_tokens)  # synchronous, but a hybrid model's async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         self._scheduler.allocated(request, num_external_tokens)
@@ -87,6 +98,10 @@ class KVShareConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.finished(request), None
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.finished(request), None  # SupportsHMA's form of request_finished
 
     # ---- worker side ---------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
@@ -110,6 +125,13 @@ class KVShareConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker.finished(finished_req_ids) or None, None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Stores settled (get_finished), and a hybrid model's asynchronous loads: ended, and which of them failed
+        (vLLM recomputes those; a failed receive is reported as received too, so that the request leaves its wait)."""
+        received, failed = self._worker.take_received()
+        return KVConnectorTransferResults(finished_sending=self._worker.finished(finished_req_ids),
+                                          finished_recving=received, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_invalid()

@@ -19,6 +19,9 @@ class LoadSpec(msgspec.Struct, frozen=True):
     block_ids: list[int]  # the request's whole block table
     num_computed: int  # block-aligned
     num_tokens: int  # what the scheduler accepted; a load is valid only if the hit covers exactly this
+    # A hybrid model's hit (kvshare.integrations.vllm.hybrid): block_ids are the attention group's, and the hit's
+    # state goes into these blocks, one per mamba group, at index hit.end / block_size - 1 of each group's list.
+    state_blocks: list[int] = []
 
     def block_range(self, block_size: int) -> list[int]:
         """The blocks this load writes: the ones to recompute if it fails."""
@@ -38,6 +41,9 @@ class StoreSpec(msgspec.Struct, frozen=True):
     num_stored: int  # tokens sent to the worker in earlier steps (a chunk or, after the prompt's tail, a block edge)
     salt: str = ""
     tail: bool = False
+    # A hybrid model's store: boundary (tokens) -> the blocks holding the state there, one per mamba group, which
+    # vLLM offered this step (valid until its end: the worker packs them in this step's wait_for_save).
+    states: dict[int, list[int]] = {}
 
 
 @dataclass
@@ -50,10 +56,13 @@ class KVShareMetadata(KVConnectorMetadata):
 @dataclass
 class KVShareWorkerMetadata(KVConnectorWorkerMetadata):
     """Requests whose loads ended this step, successfully or not: the scheduler half ends their read leases (a pool
-    lease belongs to the connection that took it, which is the scheduler's)."""
+    lease belongs to the connection that took it, which is the scheduler's). A hybrid request whose load failed is
+    recomputed by vLLM from its start and is not offered a pool hit again (the same hit would fail the same way)."""
 
     loaded: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)  # among `loaded`: hybrid loads that failed (no retry)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVShareWorkerMetadata)
-        return KVShareWorkerMetadata(sorted(set(self.loaded) | set(other.loaded)))
+        return KVShareWorkerMetadata(sorted(set(self.loaded) | set(other.loaded)),
+                                     sorted(set(self.failed) | set(other.failed)))

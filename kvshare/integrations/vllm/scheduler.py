@@ -9,6 +9,10 @@ Invariants:
   connection, so only this half can end it).
 - A request returns delay_free=True from request_finished iff a StoreSpec was ever sent for it; the worker half
   tracks the same set and reports each one in get_finished once its copies are done (blocks stay alive until then).
+- A hybrid model (kvshare.integrations.vllm.hybrid): hits end on a chunk boundary where the pool holds the state
+  (ConnectorCore's hybrid path) and load asynchronously (the request waits for the worker's report); stores are
+  planned only from vLLM's boundary-state offers of the step, each up to the last offered boundary, so a chunk is
+  stored with the state at its end where vLLM has one and a NO_STATE marker where it has none.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import Request
 
 from kvshare.connector import ConnectorCore, PoolHit
+from kvshare.integrations.vllm.hybrid import HybridGroups
 from kvshare.integrations.vllm.metadata import KVShareMetadata, KVShareWorkerMetadata, LoadSpec, StoreSpec
 
 log = logging.getLogger("vllm.kvshare")  # under vLLM's logger, so its handlers show our lines
@@ -43,8 +48,10 @@ class _Step:
 
 
 class SchedulerSide:
-    def __init__(self, core: ConnectorCore, block_size: int):
+    def __init__(self, core: ConnectorCore, block_size: int, hybrid: HybridGroups | None = None):
         self.core, self.block_size, self.chunk = core, block_size, core.chunk_tokens
+        self.hybrid = hybrid
+        self._failed: set[str] = set()  # hybrid requests whose load failed: recomputed, never offered a hit again
         self._found: dict[str, _Hit] = {}  # leased, waiting for allocation
         self._to_load: dict[str, _Hit] = {}  # allocated, goes into the next metadata
         self._loading: dict[str, PoolHit] = {}  # sent to the worker; lease ends when it reports
@@ -57,18 +64,21 @@ class SchedulerSide:
         self._steps: deque[_Step] = deque(maxlen=8)
 
     # ---- lookups -------------------------------------------------------------------------------------------
-    def matched(self, request: Request, num_computed: int) -> int:
+    def matched(self, request: Request, num_computed: int) -> tuple[int, bool]:
+        """(tokens the pool adds to vLLM's own hit, whether they load asynchronously: a hybrid model's do)."""
         rid = request.request_id
         self._end(self._found.pop(rid, None))  # a re-query replaces the earlier answer (and its lease)
         self._requests[rid] = request
+        if rid in self._failed:
+            return 0, False
         # find() answers whole blocks before the last token, which vLLM must compute to sample.
         tokens = list(request.all_token_ids[: request.num_tokens])
         hit = self.core.find(tokens, num_computed, salt=request.cache_salt or "")
         if hit is None:
-            return 0
+            return 0, False
         offered = hit.end - num_computed
         self._found[rid] = _Hit(hit, num_computed, offered)
-        return offered
+        return offered, self.hybrid is not None
 
     def allocated(self, request: Request, num_external_tokens: int) -> None:
         found = self._found.pop(request.request_id, None)
@@ -85,21 +95,55 @@ class SchedulerSide:
             hit = self._loading.pop(rid, None)
             if hit is not None:
                 self.core.release_hit(hit)
+        self._failed.update(rid for rid in (meta.failed if meta else ()) if rid in self._requests)
 
     # ---- the step's plan -----------------------------------------------------------------------------------
     def build(self, output: SchedulerOutput, kv_cache_manager: KVCacheManager) -> KVShareMetadata:
         self._steps.append(_Step(time.perf_counter(), self._lone_prefill(output)))
         meta = KVShareMetadata(preempted=sorted(output.preempted_req_ids or ()))
         for rid, found in self._to_load.items():
-            blocks = list(kv_cache_manager.get_block_ids(rid)[0])
-            meta.loads.append(LoadSpec(rid, found.hit, blocks, found.num_computed, found.accepted))
+            meta.loads.append(self._load_spec(rid, found, kv_cache_manager.get_block_ids(rid)))
             self._loading[rid] = found.hit
         self._to_load.clear()
+        if self.hybrid is not None:
+            meta.stores.extend(self._hybrid_stores(output, kv_cache_manager))
+            return meta
         for rid, scheduled in output.num_scheduled_tokens.items():
             spec = self._store_spec(rid, scheduled, kv_cache_manager)
             if spec is not None:
                 meta.stores.append(spec)
         return meta
+
+    def _load_spec(self, rid: str, found: _Hit, tables: tuple[list[int], ...]) -> LoadSpec:
+        """The load of a hit into the request's blocks: its only group's, or a hybrid model's attention group's
+        plus, per mamba group, the block at the hit's boundary (where vLLM reads the state from when the request
+        runs: it copies that block into the running one first)."""
+        hybrid = self.hybrid
+        if hybrid is None:
+            return LoadSpec(rid, found.hit, list(tables[0]), found.num_computed, found.accepted)
+        index = hybrid.state_index(found.hit.end)
+        state_blocks = [tables[g][index] if index < len(tables[g]) else 0 for g in hybrid.mamba]
+        return LoadSpec(rid, found.hit, list(tables[hybrid.attention]), found.num_computed, found.accepted,
+                        state_blocks)
+
+    def _hybrid_stores(self, output: SchedulerOutput, kv_cache_manager: KVCacheManager) -> list[StoreSpec]:
+        """One store per request with boundary states offered this step (vLLM's boundary_state_offloads: group,
+        block, boundary tokens), up to its last boundary where every mamba group offered a block."""
+        block_state = output.kv_connector_block_state
+        offers = block_state.boundary_state_offloads if block_state is not None else {}
+        specs = []
+        for rid, entries in offers.items():
+            request, stored = self._requests.get(rid), self._stored.get(rid, 0)
+            states = _complete_states(entries, self.hybrid.mamba, self.chunk, stored)
+            if request is None or not states:
+                continue
+            end = max(states)
+            self._stored[rid] = end
+            self._store_sent.add(rid)
+            blocks = list(kv_cache_manager.get_block_ids(rid)[self.hybrid.attention][: end // self.block_size])
+            specs.append(StoreSpec(rid, list(request.all_token_ids[:end]), blocks, stored,
+                                   request.cache_salt or "", False, states))
+        return specs
 
     def _lone_prefill(self, output: SchedulerOutput) -> tuple[int, int] | None:
         """(tokens scheduled, tokens computed before) of the step's prefill, if it schedules exactly one request and
@@ -151,6 +195,7 @@ class SchedulerSide:
         self._requests.pop(rid, None)
         self._stored.pop(rid, None)
         self._prompt_stored.discard(rid)
+        self._failed.discard(rid)
         delay = rid in self._store_sent
         self._store_sent.discard(rid)
         return delay
@@ -158,3 +203,14 @@ class SchedulerSide:
     def _end(self, found: _Hit | None) -> None:
         if found is not None:
             self.core.release_hit(found.hit)
+
+
+def _complete_states(entries: list[tuple[int, int, int]], mamba: tuple[int, ...], chunk: int,
+                     stored: int) -> dict[int, list[int]]:
+    """boundary -> [block per mamba group] for the offered boundaries past `stored`, on chunk ends, that every
+    mamba group offered (a state missing one layer's part is no state)."""
+    by_boundary: dict[int, dict[int, int]] = {}
+    for group, block, boundary in entries:
+        by_boundary.setdefault(boundary, {})[group] = block
+    return {boundary: [blocks[g] for g in mamba] for boundary, blocks in sorted(by_boundary.items())
+            if boundary > stored and boundary % chunk == 0 and all(g in blocks for g in mamba)}

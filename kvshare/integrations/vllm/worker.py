@@ -16,6 +16,12 @@ Invariants:
   would stay off /metrics while the replica is idle. It holds the blocks one COMMIT round trip longer.
 - A failed load reports exactly the blocks it was to fill, so vLLM (kv_load_failure_policy "recompute")
   recomputes them; a failed store is a future miss and nothing else.
+- A hybrid model (kvshare.integrations.vllm.hybrid) loads asynchronously: its request is not in the step's forward,
+  and the load runs whole in start_load_kv, state first (ConnectorCore verifies it before any K/V copy), then the
+  K/V, both verified before the state is written into vLLM's block for the hit boundary; the request is then
+  reported received, or received and failed (vLLM recomputes it from its start; no block-level errors, which vLLM
+  refuses for several groups). Its stores pack each offered boundary state out of vLLM's blocks in the step's
+  wait_for_save, the one point where vLLM guarantees those bytes, before the store is queued.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ import torch
 from kvshare.connector import ConnectorCore
 from kvshare.connector.contract import StoreHandle
 from kvshare.connector.pending_load import PendingLoad
-from kvshare.integrations.vllm.metadata import KVShareMetadata, KVShareWorkerMetadata, LoadSpec
+from kvshare.integrations.vllm.hybrid import HybridGroups, StatePages
+from kvshare.integrations.vllm.metadata import KVShareMetadata, KVShareWorkerMetadata, LoadSpec, StoreSpec
 from kvshare.transfer import KVLayout, LayoutMismatch
 
 log = logging.getLogger("vllm.kvshare")  # under vLLM's logger, so its handlers show our lines
@@ -38,8 +45,12 @@ PREEMPTION_WAIT_S = 30.0  # bound on waiting for a preempted request's stores (c
 
 
 class WorkerSide:
-    def __init__(self, core: ConnectorCore, expected: KVLayout):
-        self.core, self.expected = core, expected
+    def __init__(self, core: ConnectorCore, expected: KVLayout, hybrid: HybridGroups | None = None):
+        self.core, self.expected, self.hybrid = core, expected, hybrid
+        self._state_pages: StatePages | None = None  # a hybrid model's mamba pages (register)
+        self._received: set[str] = set()  # hybrid loads ended this step (vLLM's finished_recving)
+        self._failed: set[str] = set()  # among them, the failed ones (failed_recving)
+        self._failed_loads: list[str] = []  # the same, for the scheduler half (take_loaded)
         self._stores: dict[str, list[StoreHandle]] = {}  # requests that were sent StoreSpecs -> their handles
         self._finishing: set[str] = set()  # finished by vLLM, waiting for their copies
         self._loaded: list[str] = []  # loads ended this step (reported to the scheduler half)
@@ -50,6 +61,11 @@ class WorkerSide:
         self._warned_unwaited = False
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
+        """Attach the attention layers' tensors (all of them, or a hybrid model's attention group's) to the core;
+        a hybrid model's mamba pages are kept for its states."""
+        if self.hybrid is not None:
+            self._state_pages = StatePages(self.hybrid, kv_caches)
+            kv_caches = {name: kv_caches[name] for name in self.hybrid.attention_layers}
         layout = KVLayout.from_tensors(list(kv_caches.values()), kind=self.expected.kind,
                                        block_size=self.expected.block_size)
         if layout.layout_id() != self.expected.layout_id():
@@ -65,7 +81,45 @@ class WorkerSide:
     def load(self, meta: KVShareMetadata) -> None:
         """start_load_kv: start every load of the step (settle_loads ends them)."""
         self.settle_loads()  # a step whose loads were never settled (none expected): end them first
+        if self.hybrid is not None:
+            for spec in meta.loads:
+                self._load_hybrid(spec)
+            return
         self._pending = [(spec, self._start_one(spec)) for spec in meta.loads]
+
+    def _load_hybrid(self, spec: LoadSpec) -> None:
+        """One asynchronous hybrid load, whole: reported received (and failed, unless it all verified)."""
+        ok = False
+        try:
+            ok = self._hybrid_copies(spec)
+        finally:  # reported whatever happened: vLLM waits for the request until it is
+            self._loaded.append(spec.req_id)
+            self._received.add(spec.req_id)
+            if not ok:
+                self._failed.add(spec.req_id)
+                self._failed_loads.append(spec.req_id)
+
+    def _hybrid_copies(self, spec: LoadSpec) -> bool:
+        hit = spec.hit
+        if hit.end - spec.num_computed != spec.num_tokens or not spec.state_blocks or not all(spec.state_blocks):
+            log.warning("vLLM accepted %d external tokens of a %d-token pool hit (state blocks %s); recomputing",
+                        spec.num_tokens, hit.end - spec.num_computed, spec.state_blocks)
+            return False
+        state = self.hybrid.state_layout.new_buffer()
+        # The state is copied and verified first (start_load), the K/V copies and checksums end in finish(); only
+        # then does vLLM's block get the state, so a failed load leaves nothing of it there.
+        pending = self.core.start_load(hit, spec.block_ids, spec.num_computed, waves=1, release=False, state=state)
+        if not pending.finish():
+            return False
+        if not self.core.config.unsafe_skip_state_load:  # the negative control leaves vLLM's block as it was
+            self._state_pages.unpack(state, spec.state_blocks)
+        return True
+
+    def take_received(self) -> tuple[set[str], set[str]]:
+        """(hybrid loads ended since the last call, the failed ones among them)."""
+        received, failed = self._received, self._failed
+        self._received, self._failed = set(), set()
+        return received, failed
 
     def _start_one(self, spec: LoadSpec) -> PendingLoad | None:
         hit = spec.hit
@@ -109,9 +163,16 @@ class WorkerSide:
     def save(self, meta: KVShareMetadata) -> None:
         self.settle_loads()  # first: the loads' copies are over before any store of this step reads blocks
         for spec in meta.stores:
-            handle = self.core.store(spec.token_ids, spec.block_ids, spec.num_stored, spec.salt, spec.tail)
+            handle = self.core.store(spec.token_ids, spec.block_ids, spec.num_stored, spec.salt, spec.tail,
+                                     self._states_of(spec))
             # Tracked even when the store was skipped (None): the scheduler half delays every request it sent.
             self._stores.setdefault(spec.req_id, []).extend([handle] if handle is not None else [])
+
+    def _states_of(self, spec: StoreSpec) -> dict[int, torch.Tensor] | None:
+        """A hybrid store's offered boundary states, packed now (vLLM may reuse those blocks after this step)."""
+        if self._state_pages is None:
+            return None
+        return {boundary: self._state_pages.pack(blocks) for boundary, blocks in spec.states.items()}
 
     def preempted(self, meta: KVShareMetadata) -> None:
         """vLLM frees a preempted request's blocks without asking: finish copying out of them first."""
@@ -131,7 +192,8 @@ class WorkerSide:
 
     def take_loaded(self) -> KVShareWorkerMetadata | None:
         loaded, self._loaded = self._loaded, []
-        return KVShareWorkerMetadata(loaded) if loaded else None
+        failed, self._failed_loads = self._failed_loads, []
+        return KVShareWorkerMetadata(loaded, failed) if loaded else None
 
     def take_invalid(self) -> set[int]:
         self.settle_loads()  # vLLM may skip wait_for_save (deferred finalization): settle here too
