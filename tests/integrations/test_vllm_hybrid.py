@@ -182,3 +182,57 @@ def test_a_session_moves_between_replicas(hybrid):
         # The chunks this turn completed (the last token has no K/V yet), each with a state or marker: 2 objects.
         chunks, new = (len(conversation) - 1) // CHUNK, (len(conversation) - 1) // CHUNK - chunks
         hybrid.wait_objects(objects_before + 2 * new)
+
+
+# Runs in .venv-vllm: vLLM's own spec classes for a Qwen3.5-like layout (3 GDN groups, 1 attention group), given to
+# the connector's group handling as vLLM would give them; prints what it answered for each case.
+GROUPS_SCRIPT = """
+import json, types, torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
+from kvshare.integrations.vllm.hybrid import hybrid_groups
+
+def mamba(mode="align", block=512):
+    return MambaSpec(block_size=block, shapes=((3, 512), (4, 64, 64)), dtypes=(torch.bfloat16, torch.float32),
+                     mamba_cache_mode=mode)
+
+def config(specs):
+    return types.SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)])
+
+attention = FullAttentionSpec(block_size=512, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+window = SlidingWindowSpec(block_size=512, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, sliding_window=128)
+vllm_config = types.SimpleNamespace(cache_config=types.SimpleNamespace(enable_prefix_caching=True))
+cases = {"ok": ([mamba()] * 3 + [attention], 512), "chunk": ([mamba()] * 3 + [attention], 256),
+         "none_mode": ([mamba("none")] * 3 + [attention], 512), "windows": ([attention, window], 512),
+         "plain": ([attention], 512)}
+out = {}
+for name, (specs, chunk) in cases.items():
+    try:
+        groups = hybrid_groups(vllm_config, config(specs), chunk)
+        out[name] = None if groups is None else {"attention": groups.attention, "mamba": list(groups.mamba),
+            "state": groups.state_layout.layout_id(), "nbytes": groups.state_layout.nbytes,
+            "slices": [[s.layer, s.group, s.page_offset, s.nbytes] for s in groups.slices]}
+    except ValueError as error:
+        out[name] = "refused: " + str(error)
+print(json.dumps(out))
+"""
+
+
+def test_the_group_handling_against_vllms_spec_classes():
+    """What a replica is told at start-up: a chunk other than vLLM's block is refused with the value to set, so is
+    a mamba group outside align mode and a model of attention groups only; a Qwen3.5-like layout packs each GDN
+    layer's conv and recurrent state as in vLLM's page, and a model of one group takes the plain path."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([str(VLLM_PYTHON), "-c", GROUPS_SCRIPT], capture_output=True, text=True, timeout=300,
+                         env=env, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["plain"] is None
+    ok = out["ok"]
+    assert ok["attention"] == 3 and ok["mamba"] == [0, 1, 2]
+    assert ok["state"].count("3x512/bfloat16") == 3 and ok["state"].count("4x64x64/float32") == 3
+    conv, recurrent = 3 * 512 * 2, 4 * 64 * 64 * 4
+    assert ok["slices"][:2] == [["l0", 0, 0, conv], ["l0", 0, conv, recurrent]]  # conv first, then the recurrent
+    assert ok["nbytes"] >= 3 * (conv + recurrent)
+    assert '"chunk_tokens": 512' in out["chunk"] and out["chunk"].startswith("refused")
+    assert "--mamba-cache-mode align" in out["none_mode"]
+    assert "--disable-hybrid-kv-cache-manager" in out["windows"]
