@@ -212,8 +212,21 @@ class HybridDecoderLayer(nn.Module):
 
     def prefill_linear(self, h, state: RecurrentState, start: int, chunk: int,
                        snapshot_at: Sequence[int]) -> dict[int, RecurrentState]:
-        out, snapshots = self.linear_attn.prefill(self.input_layernorm(h), state, start, snapshot_at)
-        h += out
+        """The mixer over [start, start+T) in pieces of `chunk` tokens (rounded down to STATE_BLOCK), each starting
+        from the state the one before it ended with: a whole 256k span would need its projections, conv and q/k/v
+        at once (~40 KiB a token for the 27B shape: 10 GiB, past what an H200 has beside the weights, run 31).
+        Pieces start at multiples of STATE_BLOCK from a STATE_BLOCK-aligned start, where the conv and the gated
+        delta rule are split-invariant bit for bit, so the pieces change no bits of the state; the residual of a
+        piece is added after its own mixer, whose input is that piece's rows alone, so no piece reads another's
+        update."""
+        piece = max(STATE_BLOCK, chunk // STATE_BLOCK * STATE_BLOCK)
+        snapshots: dict[int, RecurrentState] = {}
+        for s in range(0, h.shape[0], piece):
+            e = min(h.shape[0], s + piece)
+            inside = [p for p in snapshot_at if start + s < p <= start + e]
+            out, taken = self.linear_attn.prefill(self.input_layernorm(h[s:e]), state, start + s, inside)
+            h[s:e] += out
+            snapshots.update(taken)
         self._mlp(h, chunk)
         return snapshots
 

@@ -109,3 +109,11 @@ def test_serve_refuses_a_hybrid_chunk_off_the_linear_blocks(hybrid_model, tiny_m
         check_hybrid_chunk(str(hybrid_model), 80)
     check_hybrid_chunk(str(hybrid_model), 128)
     check_hybrid_chunk(str(tiny_model), 80)
+
+
+def test_a_prefill_in_pieces_gives_the_whole_spans_tokens(hybrid_model):
+    """The linear layers run a long span in pieces of --prefill-chunk tokens (the state carried from piece to
+    piece; a 256k span at once does not fit an H200 beside the 27B weights): pieces of 64 tokens, with the prompt's
+    tail mid-piece, give the tokens of one piece per span."""
+    prompt = PROMPT + PROMPT[:37]  # 187 tokens: two whole 64-token pieces and a part
+    assert engine_tokens(hybrid_model, [prompt], prefill_chunk=64) == engine_tokens(hybrid_model, [prompt])
