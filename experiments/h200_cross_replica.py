@@ -88,7 +88,7 @@ def replica(args) -> None:
         # Verification is on unless asked otherwise: on the GPU it costs ~1% of ON TTFT (issue 17, NOTES runs 9-10);
         # runs 3-4 and the two-GPU runs before issue 17 used --no-verify-checksums (host hashing cost +100% then).
         config = ConnectorConfig(address=args.pool, verify_checksums=not args.no_verify_checksums,
-                                 chunk_tokens=args.chunk_tokens)
+                                 chunk_tokens=args.chunk_tokens, unsafe_skip_state_load=args.unsafe_skip_state_load)
         engine.set_connector(PoolConnector.for_engine(engine, config))
     logits: list = []
     original = engine.runner.prefill
@@ -140,7 +140,7 @@ def replica(args) -> None:
 
 
 # ---- orchestrator ------------------------------------------------------------------------------------------------
-def run_replica(role: str, pool: str, jobs: list[dict], ns) -> None:
+def run_replica(role: str, pool: str, jobs: list[dict], ns, *flags: str) -> None:
     if not jobs:
         return
     jobs_file = Path(tempfile.mkstemp(suffix=".json")[1])
@@ -152,6 +152,7 @@ def run_replica(role: str, pool: str, jobs: list[dict], ns) -> None:
                "--warmup-len", str(ns.warmup_len)]
     if ns.no_verify_checksums:
         command.append("--no-verify-checksums")
+    command += flags
     subprocess.run(command, check=True, env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
 
 
@@ -220,6 +221,9 @@ def orchestrate(ns) -> None:
                                               dict(j, id=f"{j['id']}-q{q}", question=j["question"] + 1 + q)
                                               for j in cycle for q in range(1 if j.get("regression") else
                                                                             ns.questions)], ns)
+                if ns.negative_control and regression and name == "ON1":
+                    # B with the hybrid bug: the K/V of the hit loaded, the state not (logits-regression-B-skip.pt)
+                    run_replica("B-skip", address, [regression], ns, "--unsafe-skip-state-load")
     summarize(ns.rows, out)
 
 
@@ -348,6 +352,8 @@ def main() -> None:
     run.add_argument("--blocks", default="OFF1,ON1,ON2,OFF2", help="which blocks run, in order (OFFn, ONn)")
     run.add_argument("--questions", type=int, default=1, help="B-on's questions per stored document")
     run.add_argument("--warmup-len", type=int, default=0, help="tokens of each process's unrecorded first request")
+    run.add_argument("--negative-control", action="store_true",
+                     help="a hybrid's B also loads the regression prompt without the state (the bug of issue 31)")
     run.add_argument("--out", default=os.environ.get("OUT", "out/cross_replica"))
     rep_ = sub.add_parser("report")
     rep_.add_argument("--rows", action="append", type=Path, required=True)
@@ -365,6 +371,7 @@ def main() -> None:
     rep.add_argument("--kv-cache-dtype", default="auto")
     rep.add_argument("--no-verify-checksums", action="store_true")
     rep.add_argument("--warmup-len", type=int, default=0)
+    rep.add_argument("--unsafe-skip-state-load", action="store_true")
     ns = parser.parse_args()
     if ns.mode == "report":
         floor = (lambda length: floor_s(length, ns.preset, ns.chunk_tokens, ns.kv_cache_dtype, ns.gbps)) \
