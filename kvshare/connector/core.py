@@ -431,8 +431,9 @@ class ConnectorCore:
         whole blocks after them as one partial chunk (a prompt's own store: at most one tail per prompt). Never
         raises. On a CPU replica it returns at once and the storer thread does the work (kvshare.connector.storer);
         on a GPU the copies are queued on side streams here, ordered after the caller's stream (I4). A hybrid model
-        passes `states`, its packed state at each chunk boundary it has (kept unchanged until the store is done):
-        chunks are stored up to the first one without its state."""
+        passes `states`, its packed state at each chunk boundary it has (fresh host tensors, never changed after the
+        hand-over: the committer writes them into the pool): chunks are stored up to the first one without its
+        state."""
         try:
             kv = self._kv
             if kv is not None and kv.kv_caches[0].device.type == "cpu":
@@ -549,10 +550,15 @@ class ConnectorCore:
 
     def _store_pairs(self, life: ArenaLife, kv: EngineKV, first: int, reservation, block_ids: Sequence[int],
                      states: Mapping[int, torch.Tensor], started: float) -> StoreHandle | None:
-        """The copies of a reserved hybrid store: states first, on this thread (their checksums known at once), then
-        the chunks' K/V through the transfer; COMMIT carries every written entry's checksum in reservation order."""
+        """The copies of a reserved hybrid store: the chunks' K/V through the transfer, queued here; the states
+        written into their pages on the committer thread, after the K/V copies and before COMMIT (the store's
+        checksums are asked for there, and a state's is known once it is written). Off the caller's thread because
+        the caller is the engine's loop on a GPU: a 128k prompt's 32 states of the 27B shape are 4.6 GiB to copy
+        and hash, a second or more that no decode step should wait for. The packed states are the caller's fresh
+        host tensors, never changed after the hand-over (StateSlots.pack, the vLLM worker's StatePages.pack).
+        COMMIT carries every written entry's checksum in reservation order."""
         transfer = life.transfer
-        jobs, refs, order = [], [], []  # order: ("kv", job index) or ("state", checksum) per written entry
+        jobs, refs, order = [], [], []  # order: ("kv", job index) or ("state", (pages, packed)) per written entry
         per_chunk = self.chunk_tokens // kv.layout.block_size
         for j, ref in enumerate(reservation.chunks, start=2 * first):
             if ref is None:
@@ -562,8 +568,7 @@ class ConnectorCore:
             if transfer is None:
                 break
             if j % 2:
-                packed = states.get((i + 1) * self.chunk_tokens, _NO_STATE)
-                order.append(("state", store_state(transfer.pages, ref.pages, packed)))
+                order.append(("state", (ref.pages, states.get((i + 1) * self.chunk_tokens, _NO_STATE))))
             else:
                 jobs.append(StoreJob(block_ids=list(block_ids[i * per_chunk : (i + 1) * per_chunk]),
                                      pages=list(ref.pages)))
@@ -575,9 +580,9 @@ class ConnectorCore:
             return None
         kv_handle = transfer.store(jobs) if jobs else TransferHandle(checksums=lambda: [])
 
-        def checksums() -> list[int]:
+        def checksums() -> list[int]:  # the committer's thread, once the K/V copies are done (Committer._settle)
             kv_sums = kv_handle.checksums()
-            return [kv_sums[value] if kind == "kv" else value for kind, value in order]
+            return [kv_sums[value] if kind == "kv" else store_state(transfer.pages, *value) for kind, value in order]
 
         handle = TransferHandle(is_done=kv_handle.done, wait=kv_handle.wait, checksums=checksums)
         pending = PendingStore(reservation.lease, refs, handle, started, on_copied=life.release)
