@@ -72,8 +72,7 @@ class StateSlots:
         """A packed copy (batch of one) of per-layer states in host memory (pinned beside a GPU): what the pool stores
         for a chunk boundary. On the host because a long prompt passes many boundaries (64 states of 147 MiB at 256k
         in 4096-token chunks for the Qwen3.5-27B shape) and the store copies them into the arena anyway."""
-        pinned = self.recurrent.device.type == "cuda"
-        packed = torch.zeros(self.layout.nbytes, dtype=torch.uint8, pin_memory=pinned)
+        packed = self.layout.new_buffer(pin_memory=self.recurrent.device.type == "cuda")  # every part filled below
         for view, tensor in zip(self.layout.views(packed), (t for s in states for t in (s.recurrent[0], s.conv[0]))):
             view.copy_(tensor)  # device -> host: synchronous, so the slot may change right after
         return packed

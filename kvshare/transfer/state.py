@@ -72,9 +72,14 @@ class StateLayout:
         return "state:" + ";".join(f"{'x'.join(map(str, p.shape))}/{str(p.dtype).removeprefix('torch.')}"
                                    for p in self.parts)
 
-    def new_buffer(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """A zeroed packed state (uint8 [nbytes]) on `device`."""
-        return torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+    def new_buffer(self, device: torch.device | str = "cpu", pin_memory: bool = False) -> torch.Tensor:
+        """A packed state (uint8 [nbytes]) on `device` whose gaps are zero and whose parts are for the caller to fill
+        whole (zeroing all of it cost ~15 ms for a 147 MiB state, at every chunk boundary of a prefill)."""
+        packed = torch.empty(self.nbytes, dtype=torch.uint8, device=device, pin_memory=pin_memory)
+        ends = [p.offset + p.nbytes for p in self.parts]
+        for end, start in zip(ends, [p.offset for p in self.parts[1:]] + [self.nbytes]):
+            packed[end:start].zero_()
+        return packed
 
     def views(self, packed: torch.Tensor) -> list[torch.Tensor]:
         """Typed views of each part of `packed` (uint8 [nbytes]), in layer order: recurrent, conv, recurrent, ..."""
