@@ -16,6 +16,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
 from kvshare import identity
 from kvshare.connector import ConnectorConfig
 from kvshare.connector.config import from_extra_config
+from kvshare.integrations.vllm import compat
 from kvshare.integrations.vllm.hybrid import HybridGroups
 from kvshare.keys import Namespace
 from kvshare.transfer import KVLayout
@@ -23,7 +24,8 @@ from kvshare.transfer.state import StateLayout
 
 log = logging.getLogger("vllm.kvshare")  # under vLLM's logger, so its handlers show our lines
 
-# vLLM's resolved KVCacheLayout name -> the kvshare.transfer kind that reads it (see the package docstring).
+# vLLM's resolved KVCacheLayout name (0.32's names: compat renames 0.26's) -> the kvshare.transfer kind that reads it
+# (see the package docstring).
 LAYOUT_KINDS = {"LBHNC": "vllm_lbhnc", "LBNHC": "vllm_lbnhc"}
 
 
@@ -56,12 +58,12 @@ def expected_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     if hybrid is not None:
         groups = [groups[hybrid.attention]]
     spec = groups[0].kv_cache_spec if len(groups) == 1 else None
-    if not isinstance(spec, AttentionSpec) or spec.head_size_v != spec.head_size:
+    if not isinstance(spec, AttentionSpec) or compat.head_size_v(spec) != spec.head_size:
         raise ValueError(
             f"KVShareConnector supports models with one KV cache group of plain attention; this model has "
             f"{len(groups)} group(s) ({', '.join(type(g.kv_cache_spec).__name__ for g in groups)})"
         )
-    layout_name = kv_cache_config.kv_cache_layout or vllm_config.cache_config.kv_cache_layout
+    layout_name = compat.resolved_layout_name(vllm_config, kv_cache_config)
     if layout_name not in LAYOUT_KINDS:
         raise ValueError(
             f"KVShareConnector reads the KV cache layouts {sorted(LAYOUT_KINDS)}; vLLM resolved {layout_name}: "

@@ -15,14 +15,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvshare.connector import ConnectorCore
+from kvshare.integrations.vllm import compat
 from kvshare.integrations.vllm import config as cfg
 from kvshare.integrations.vllm.hybrid import hybrid_groups
 from kvshare.integrations.vllm.metadata import KVShareMetadata
@@ -59,7 +58,8 @@ show_library_logs()
 class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
     """Shares full KV chunks between vLLM replicas through a kvshare pool; any pool failure costs only recompute."""
 
-    _cache_hit_source = CacheHitSource.HOST
+    if compat.CACHE_HIT_SOURCE_HOST is not None:  # vLLM 0.32 labels external hits by tier; 0.26 has no label
+        _cache_hit_source = compat.CACHE_HIT_SOURCE_HOST
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -73,6 +73,7 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
         self._increments = Increments(core.stats)  # this half's counters, reported to vLLM's metrics
         scheduler = role == KVConnectorRole.SCHEDULER
         self._scheduler = SchedulerSide(core, layout.block_size, hybrid) if scheduler else None
+        self._block_tables = compat.new_block_tables() if scheduler else None  # vLLM 0.26 only (compat)
         self._worker = WorkerSide(core, layout, hybrid) if role == KVConnectorRole.WORKER else None
         if role == KVConnectorRole.SCHEDULER and self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.warning('kv_load_failure_policy is "%s": a failed pool load will fail its request; set '
@@ -80,7 +81,7 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
                         self._kv_transfer_config.kv_load_failure_policy)
 
     @property
-    def requires_kv_delivery(self) -> bool:
+    def requires_kv_delivery(self) -> bool:  # read by vLLM 0.32 only (compat.ONLY_IN_0_32)
         return False  # a best-effort cache: a dropped store is a future miss, never a wrong answer
 
     # ---- scheduler side ------------------------------------------------------------------------------------
@@ -91,17 +92,23 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler.allocated(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._scheduler.build(scheduler_output, self._kv_cache_manager)
+        blocks = compat.block_source(self, self._block_tables, scheduler_output)
+        return self._scheduler.build(scheduler_output, blocks)
 
     def update_connector_output(self, connector_output: KVConnectorOutput):
         self._scheduler.worker_reported(connector_output.kv_connector_worker_meta)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler.finished(request), None
+        return self._finished(request), None
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler.finished(request), None  # SupportsHMA's form of request_finished
+        return self._finished(request), None  # SupportsHMA's form of request_finished
+
+    def _finished(self, request: Request) -> bool:
+        if self._block_tables is not None:
+            self._block_tables.forget(request.request_id)  # no step plans anything for it from now on
+        return self._scheduler.finished(request)
 
     # ---- worker side ---------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
@@ -126,11 +133,12 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker.finished(finished_req_ids) or None, None
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+    def get_transfer_results(self, finished_req_ids: set[str]) -> compat.KVConnectorTransferResults:
         """Stores settled (get_finished), and a hybrid model's asynchronous loads: ended, and which of them failed
-        (vLLM recomputes those; a failed receive is reported as received too, so that the request leaves its wait)."""
+        (vLLM recomputes those; a failed receive is reported as received too, so that the request leaves its wait).
+        vLLM 0.32's worker calls it instead of get_finished; 0.26's never does (compat)."""
         received, failed = self._worker.take_received()
-        return KVConnectorTransferResults(finished_sending=self._worker.finished(finished_req_ids),
+        return compat.KVConnectorTransferResults(finished_sending=self._worker.finished(finished_req_ids),
                                           finished_recving=received, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -34,6 +34,7 @@ import torch
 from vllm.config import VllmConfig
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheConfig, MambaSpec
 
+from kvshare.integrations.vllm import compat
 from kvshare.transfer.state import StateLayout
 
 
@@ -75,6 +76,8 @@ def hybrid_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, chunk
     attention = [i for i, s in enumerate(specs) if isinstance(s, AttentionSpec)]
     mamba = [i for i, s in enumerate(specs) if isinstance(s, MambaSpec)]
     kinds = ", ".join(type(s).__name__ for s in specs)
+    if mamba:
+        compat.require_hybrid_support(kinds)  # vLLM 0.26 offers no boundary states: refused there
     if not mamba:
         raise ValueError(f"KVShareConnector shares one attention KV cache group, this model has {len(groups)} "
                          f"({kinds}): start vLLM with --disable-hybrid-kv-cache-manager")

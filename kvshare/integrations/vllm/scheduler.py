@@ -27,10 +27,13 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import Request
 
 from kvshare.connector import ConnectorCore, PoolHit
+from kvshare.integrations.vllm.compat import BlockTables
 from kvshare.integrations.vllm.hybrid import HybridGroups
 from kvshare.integrations.vllm.metadata import KVShareMetadata, KVShareWorkerMetadata, LoadSpec, StoreSpec
 
 log = logging.getLogger("vllm.kvshare")  # under vLLM's logger, so its handlers show our lines
+
+BlockIds = KVCacheManager | BlockTables  # what answers get_block_ids(req_id): vLLM 0.32's manager, 0.26's tables
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ class SchedulerSide:
         self._failed.update(rid for rid in (meta.failed if meta else ()) if rid in self._requests)
 
     # ---- the step's plan -----------------------------------------------------------------------------------
-    def build(self, output: SchedulerOutput, kv_cache_manager: KVCacheManager) -> KVShareMetadata:
+    def build(self, output: SchedulerOutput, kv_cache_manager: BlockIds) -> KVShareMetadata:
         self._steps.append(_Step(time.perf_counter(), self._lone_prefill(output)))
         meta = KVShareMetadata(preempted=sorted(output.preempted_req_ids or ()))
         for rid, found in self._to_load.items():
@@ -126,7 +129,7 @@ class SchedulerSide:
         return LoadSpec(rid, found.hit, list(tables[hybrid.attention]), found.num_computed, found.accepted,
                         state_blocks)
 
-    def _hybrid_stores(self, output: SchedulerOutput, kv_cache_manager: KVCacheManager) -> list[StoreSpec]:
+    def _hybrid_stores(self, output: SchedulerOutput, kv_cache_manager: BlockIds) -> list[StoreSpec]:
         """One store per request with boundary states offered this step (vLLM's boundary_state_offloads: group,
         block, boundary tokens), up to its last boundary where every mamba group offered a block."""
         block_state = output.kv_connector_block_state
@@ -162,7 +165,7 @@ class SchedulerSide:
             if step.prefill is not None:
                 self.core.observe_prefill(*step.prefill, time.perf_counter() - step.started)
 
-    def _store_spec(self, rid: str, scheduled: int, kv_cache_manager: KVCacheManager) -> StoreSpec | None:
+    def _store_spec(self, rid: str, scheduled: int, kv_cache_manager: BlockIds) -> StoreSpec | None:
         request = self._requests.get(rid)
         if request is None:
             return None
