@@ -49,9 +49,10 @@ def site_packages() -> Path | None:
     return found[0].parents[1] if found else None
 
 
-def run_probe(pythonpath: str, env: dict[str, str] | None = None) -> dict:
-    """The probe's JSON, run in .venv-vllm with `pythonpath` first."""
-    full_env = os.environ | {"PYTHONPATH": pythonpath, "VLLM_NO_USAGE_STATS": "1"} | (env or {})
+def run_probe(pythonpath: str, drop: tuple[str, ...] = ()) -> dict:
+    """The probe's JSON, run in .venv-vllm with `pythonpath` first and without the variables in `drop`."""
+    full_env = {k: v for k, v in os.environ.items() if k not in drop}
+    full_env |= {"PYTHONPATH": pythonpath, "VLLM_NO_USAGE_STATS": "1"}
     done = subprocess.run([str(VLLM_PYTHON), str(PROBE), *map(str, FIXTURES.values())], cwd=ROOT, env=full_env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -186,11 +187,11 @@ def test_connector_imports_against_vllm_0_26s_modules(tmp_path):
         pytest.skip("no vllm 0.26.0 wheel in .vllm-carry/wheels (scripts/carry-vllm.sh prepare)")
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(tmp_path, [n for n in zf.namelist() if n.startswith("vllm/") and n.endswith(".py")])
-    got = run_probe(f"{tmp_path}{os.pathsep}{ROOT}", env={"VLLM_KV_CACHE_LAYOUT": "HND"})
+    got = run_probe(f"{tmp_path}{os.pathsep}{ROOT}", drop=("VLLM_KV_CACHE_LAYOUT",))
     assert got["api"] == got["by_file"][str(FIXTURES["0.26"])]["api"]
     assert got["installed"] == got["by_file"][str(FIXTURES["0.26"])]
     assert got["abstract_left"] == [] and got["cache_hit_source"] == "None"
-    assert got["live_layout"] == "LBHNC"
+    assert got["live_layout"] == "LBNHC"  # 0.26's default "NHD" (no override, no VLLM_KV_CACHE_LAYOUT)
     fixture = facts("0.26")["base_classes"]
     for cls in BASES:  # the ast facts are what the import sees
         assert got["live_base"][cls] == {n: {k: m[k] for k in ("params", "kind", "abstract")}

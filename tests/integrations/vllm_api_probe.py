@@ -131,7 +131,8 @@ def main(paths: list[str]) -> None:
         "abstract_left": sorted(KVShareConnector.__abstractmethods__),
         "only_in_0_32": sorted(compat.ONLY_IN_0_32),
         "cache_hit_source": repr(vars(KVShareConnector).get("_cache_hit_source")),
-        "live_layout": compat.resolved_layout_name(None, None) if not compat.API.resolved_layout else None,
+        "live_layout": None if compat.API.resolved_layout else  # 0.26's own resolver, no config current
+        compat.resolved_layout_name(SimpleNamespace(kv_transfer_config=None), None),
     }))
 
 

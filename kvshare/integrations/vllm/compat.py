@@ -37,6 +37,7 @@ test can feed it the names a release declares (tests/integrations/vllm_api_0_26.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 from dataclasses import dataclass, field
@@ -171,13 +172,19 @@ def new_block_tables(api: VllmApi = API) -> BlockTables | None:
 def resolved_layout_name(vllm_config: Any, kv_cache_config: KVCacheConfig, api: VllmApi = API) -> str | None:
     """The resolved KV cache layout as 0.32 names it ("LBHNC", "LBNHC", ...). vLLM 0.32: the engine core's
     resolution (KVCacheConfig, else CacheConfig). vLLM 0.26: get_kv_cache_layout() in this process (override, then
-    VLLM_KV_CACHE_LAYOUT, then the connector's required layout, else "NHD"), renamed; a layout an attention backend
-    forces only in the worker (set_kv_cache_layout there) shows up as a LayoutMismatch when the worker registers."""
+    VLLM_KV_CACHE_LAYOUT, then the connector's required layout, else "NHD"; this connector requires none), renamed;
+    a layout an attention backend forces only in the worker (set_kv_cache_layout there) shows up as a
+    LayoutMismatch when the worker registers."""
     if api.resolved_layout:
         return kv_cache_config.kv_cache_layout or vllm_config.cache_config.kv_cache_layout
-    from vllm.v1.attention.backends.utils import get_kv_cache_layout  # vLLM 0.26
+    from vllm.config import get_current_vllm_config_or_none, set_current_vllm_config  # vLLM 0.26
+    from vllm.v1.attention.backends.utils import get_kv_cache_layout
 
-    legacy = get_kv_cache_layout()
+    # 0.26's resolver reads the current config (for the connector's required layout), which its engine core does not
+    # set around the scheduler: set ours for the call unless one is current (the worker's).
+    current = get_current_vllm_config_or_none() is not None
+    with contextlib.nullcontext() if current else set_current_vllm_config(vllm_config):
+        legacy = get_kv_cache_layout()
     return LEGACY_LAYOUT_NAMES.get(legacy, legacy)
 
 
