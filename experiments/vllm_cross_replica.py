@@ -723,7 +723,7 @@ def main() -> None:
         summary = write_report(run)
     print(table(summary), flush=True)
     for arm, why in summary["arm_failures"].items():
-        print(f"arm {arm} skipped: {why}", flush=True)
+        print(why if arm == "run" else f"arm {arm} skipped: {why}", flush=True)
     print(f"wrote {args.out}/report.md, summary.json, rows.jsonl in {summary['seconds']} s", flush=True)
 
 
