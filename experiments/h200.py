@@ -43,6 +43,10 @@ KINDS = {
     "paged-kernel": (["python3", "experiments/h200_paged_kernel.py"], r".", 14),
     "tail-local": (["python3", "experiments/h200_tail_local.py"], r"^(?!.*[Ww]arn)", 17),
     "run12-probe": (["python3", "experiments/h200_run12.py", "run"], r".", 30),
+    # vLLM 0.26 once scripts/carry-vllm.sh brought it (docs/vllm-on-h200.md): its own import path, ahead of /tmp/site,
+    # whose FastAPI is past vLLM's pin
+    "vllm": (["bash", "-c", 'bash scripts/carry-vllm.sh install && PYTHONPATH=/tmp/vllm-site:. '
+              'exec python3 experiments/vllm_cross_replica.py "$@"', "vllm"], r"^\||TTFT|skipped|failed|error", 30),
     "run13-probe": (["python3", "experiments/h200_run13.py", "run"], r".", 30),
 }
 
