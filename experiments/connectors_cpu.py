@@ -74,16 +74,22 @@ class Settings:
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 
 
-def external_hits(http: httpx.Client, base_url: str) -> float | None:
-    """vLLM's external (KV connector) prefix-cache hits so far (as kvshare.bench.server_metrics reads them; kept
-    here so that the benchmark runs against any revision of the package)."""
+def counter_total(http: httpx.Client, base_url: str, name: str) -> float | None:
+    """A counter of the replica's /metrics summed over its labels (None if unreadable), as
+    kvshare.bench.server_metrics reads them; kept here so that the benchmark runs against any revision of the
+    package."""
     try:
         response = http.get(f"{base_url}/metrics", timeout=10)
     except httpx.HTTPError:
         return None
     values = [float(line.rsplit(" ", 1)[1]) for line in response.text.splitlines()
-              if line.startswith(EXTERNAL_HITS + "{") or line.startswith(EXTERNAL_HITS + " ")]
+              if line.startswith(name + "{") or line.startswith(name + " ")]
     return sum(values) if response.status_code == 200 and values else None
+
+
+def external_hits(http: httpx.Client, base_url: str) -> float | None:
+    """vLLM's external (KV connector) prefix-cache hits so far."""
+    return counter_total(http, base_url, EXTERNAL_HITS)
 
 
 def free_port() -> int:

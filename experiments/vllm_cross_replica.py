@@ -75,10 +75,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from connectors_cpu import (  # noqa: E402
+    EXTERNAL_HITS,
     Process,
     Replica,
     Reply,
     complete,
+    counter_total,
     free_port,
     last_error_line,
     machine,
@@ -88,7 +90,6 @@ from connectors_cpu import (  # noqa: E402
 
 CHUNK = 256  # kvshare's chunk_tokens
 LOCAL_HITS = "vllm:prefix_cache_hits_total"
-EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # The rows the table shows, in order: (arm, role) -> label
 SHOWN = {("none", "ref"): "none (recompute)", ("kvshare", "B"): "kvshare B (cross-replica load)",
@@ -314,13 +315,8 @@ def tidy(text: str) -> str:
 
 
 def local_hits(http: httpx.Client, url: str) -> float | None:
-    try:
-        response = http.get(f"{url}/metrics", timeout=10)
-    except httpx.HTTPError:
-        return None
-    values = [float(line.rsplit(" ", 1)[1]) for line in response.text.splitlines()
-              if line.startswith(LOCAL_HITS + "{") or line.startswith(LOCAL_HITS + " ")]
-    return sum(values) if response.status_code == 200 and values else None
+    """vLLM's own (GPU) prefix-cache hits so far."""
+    return counter_total(http, url, LOCAL_HITS)
 
 
 def reset_prefix_cache(http: httpx.Client, url: str, timeout: float = 60.0) -> bool:

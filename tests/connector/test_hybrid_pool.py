@@ -56,15 +56,17 @@ def expected_hit(length: int) -> int:
     return (length - 1) // CHUNK * CHUNK
 
 
-@pytest.mark.parametrize("skip_state", [False, True], ids=["state-loaded", "negative-control"])
-def test_cross_replica_hits_give_the_cache_off_tokens_only_with_the_state(engines, skip_state):
-    """Replica B loads what A stored: with the state, B's tokens are the cache-OFF ones for every length. The
-    negative control (unsafe_skip_state_load: attention K/V loaded, the state not, N tokens still reported cached)
-    is the bug that garbled answers elsewhere, and this same test then sees B's tokens differ for every length."""
+@pytest.mark.parametrize(("skip_state", "verify"), [(False, True), (True, True), (False, False)],
+                         ids=["state-loaded", "negative-control", "checksums-off"])
+def test_cross_replica_hits_give_the_cache_off_tokens_only_with_the_state(engines, skip_state, verify):
+    """Replica B loads what A stored: with the state, B's tokens are the cache-OFF ones for every length, with
+    checksum verification on and off (the bytes, not the checks, make the answer). The negative control
+    (unsafe_skip_state_load: attention K/V loaded, the state not, N tokens still reported cached) is the bug that
+    garbled answers elsewhere, and this same test then sees B's tokens differ for every length."""
     off, a, b = engines
     with start_pool("64MiB", page_size="64KiB") as (address, _):
-        attach(a, address)
-        connector_b = attach(b, address, unsafe_skip_state_load=skip_state)
+        attach(a, address, verify_checksums=verify)
+        connector_b = attach(b, address, unsafe_skip_state_load=skip_state, verify_checksums=verify)
         for length in LENGTHS:
             prompt = prompt_of(length, seed=length)
             reference, _ = run(off, prompt)
