@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import platform
@@ -128,6 +129,10 @@ class Settings:
                "DO_NOT_TRACK": "1", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO")}
         if self.device == "cpu":  # the same pinned threads with or without a connector (connectors_cpu's lesson)
             env |= {"VLLM_CPU_OMP_THREADS_BIND": self.omp_bind, "VLLM_CPU_NUM_OF_RESERVED_CPU": self.reserved_cpus}
+        elif importlib.util.find_spec("flashinfer") is None:
+            # vLLM 0.26's GPU sampler imports FlashInfer unless told not to (its first H200 start stopped there);
+            # the carried vLLM leaves FlashInfer out (scripts/carry-vllm.sh --kernels adds it): torch sampling
+            env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
         return env | (extra or {})
 
 
@@ -162,7 +167,7 @@ class Run:
         return self.args.budget - (time.monotonic() - self.started)
 
     def start_estimate(self) -> float:
-        default = 300.0 if self.settings.device == "cuda" else 180.0
+        default = self.args.start_estimate or (300.0 if self.settings.device == "cuda" else 180.0)
         return max(self.start_seconds) * 1.2 if self.start_seconds else default
 
     def request_estimate(self, length: int, hit: bool) -> float:
@@ -610,6 +615,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=540.0, help="seconds: no step starts that would end past it "
                    "(less --reserve), and the report is written")
     p.add_argument("--reserve", type=float, default=40.0, help="seconds kept for stopping and the report")
+    p.add_argument("--start-estimate", type=float, default=0.0,
+                   help="seconds a replica's start is assumed to take until one has started (0: 300 on cuda, 180 on "
+                        "cpu); the budget plans with it")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--settle", type=float, default=1.0, help="seconds after the last answer before a replica stops "

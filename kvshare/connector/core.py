@@ -335,6 +335,7 @@ class ConnectorCore:
         if state is None or life.transfer is None:
             return False
         if self.config.unsafe_skip_state_load:  # the negative control: attention K/V without the state
+            state.zero_()  # the state a sequence starts from (the buffer is uninitialised: NaN on the H200, run 33)
             return True
         read = load_state(life.transfer.pages, hit.state_pages, state)
         if self.config.verify_checksums and read != hit.state_checksum:
