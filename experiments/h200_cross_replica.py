@@ -253,6 +253,14 @@ def summarize(rows_path: Path, out: Path) -> None:
     if again.exists() and rows_path.with_name("logits-regression-B-on.pt").exists():
         a_hit, b_hit = torch.load(again), torch.load(rows_path.with_name("logits-regression-B-on.pt"))
         summary["on_equals_a_pool_hit_bitwise"] = bool(torch.equal(a_hit, b_hit))
+    skip = rows_path.with_name("logits-regression-B-skip.pt")
+    if skip.exists() and rows_path.with_name("logits-regression-B-on.pt").exists():
+        # the negative control against B's real hit: how far a missing state moves the first token's logits
+        wrong, right = torch.load(skip), torch.load(rows_path.with_name("logits-regression-B-on.pt"))
+        summary["negative_control"] = dict(max_abs_diff_vs_on=float((wrong - right).abs().max()),
+                                           argmax_equal=bool(wrong.argmax() == right.argmax()),
+                                           logit_scale=float(wrong.abs().max()),
+                                           finite=bool(torch.isfinite(wrong).all()))
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"{'length':>8} {'arm':>20} {'median s':>9} {'min':>8} {'max':>8} {'n':>3}")
     for (l, k), v in sorted(table.items()):

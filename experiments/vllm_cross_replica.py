@@ -64,6 +64,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -382,11 +383,40 @@ def serve_phase(run: Run, http, arm: str, role: str, kv_config: dict | None, cel
             if any(r["error"] for r in rows) and not replica.process.alive():
                 raise RuntimeError(f"replica {replica.name} died: {last_error_line(replica.process)}")
         time.sleep(run.args.settle)  # the stores of the last answer finish after it
+        if kv_config is not None and kv_config["kv_connector"] == "KVShareConnector" and role == "A":
+            wait_for_stores(run, kv_config["kv_connector_extra_config"]["pool"], arm, role)
     finally:
         if router_process is not None:
             run.stop(router_process)
         run.stop(replica.process)
     return done
+
+
+def wait_for_stores(run: Run, pool: str, arm: str, role: str) -> None:
+    """Before A stops: wait until the pool holds every store A sent, i.e. no write lease is open and the committed
+    bytes have stood still for --store-quiet seconds (a store spec may sit in the connector's storer queue before its
+    RESERVE, so "no lease" alone is not enough), at most --store-timeout. On the H200 (vLLM call 2, 2026-12-03) A was
+    stopped a second after its 128k answer with 125 of its 656 chunks still to be committed, so B's hit ended at
+    99,072 tokens; stopping a replica is not part of what B's TTFT measures. The wait and the commit timeline
+    (bytes committed every 0.5 s) go into the rows, since how fast A's stores land is itself a result."""
+    from kvshare.pool.client import read_stats
+
+    started, last, still_since, timeline = time.monotonic(), None, time.monotonic(), []
+    while True:
+        stats = read_stats(pool)
+        now = time.monotonic()
+        timeline.append((round(now - started, 2), stats.bytes_committed_total, stats.write_leases))
+        if stats.bytes_committed_total != last or stats.write_leases:
+            last, still_since = stats.bytes_committed_total, now
+        if now - still_since >= run.args.store_quiet or now - started >= run.args.store_timeout:
+            break
+        time.sleep(0.5)
+    waited = round(still_since - started, 2)
+    print(f"  {arm} {role}: stores settled {waited} s after the last answer's settle "
+          f"({(last or 0) / 2**20:.0f} MiB committed since the pool started)", flush=True)
+    run.record({"kind": "stores", "arm": arm, "role": role, "repeat": 0, "length": 0, "ttft_s": None,
+                     "latency_s": None, "store_settle_s": waited, "commit_timeline": timeline, "error": "",
+                     "timed_out": now - started >= run.args.store_timeout})
 
 
 def arm_none(run: Run, http, cells) -> None:
@@ -502,7 +532,10 @@ def summarise(run: Run) -> dict:
                 "first_token_equal": sum(1 for r in compared if r["first_token_equal"]),
                 "speedup_vs_none": statistics.median(off) / median if off and median else None,
                 "floor_s": floor, "kv_bytes": length * kvb})
-    return {**run.meta, "seconds": round(time.monotonic() - run.started), "cells": cells, "skipped": run.skipped,
+    stores = [{k: r[k] for k in ("arm", "role", "store_settle_s", "timed_out")}
+              for r in [*run.previous, *run.rows] if r["kind"] == "stores"]
+    return {**run.meta, "seconds": round(time.monotonic() - run.started), "cells": cells, "stores": stores,
+            "skipped": run.skipped,
             "arm_failures": run.arm_failures, "rows": len(run.rows), "previous_rows": len(run.previous)}
 
 
@@ -542,6 +575,11 @@ def write_report(run: Run) -> dict:
             f"`kvshare route`; answers equal = the same greedy token ids as the `none` arm's answer",
             ""]
     text.append(table(summary))
+    for st in summary["stores"]:
+        text += ["", f"- {st['arm']} {st['role']}: its stores settled {st['store_settle_s']} s after its last answer "
+                 f"(--settle, then the pool's committed bytes still for --store-quiet)"
+                 + (" - **timed out** (--store-timeout)" if st["timed_out"] else "")
+                 + "; the commit timeline is in rows.jsonl"]
     if summary["arm_failures"]:
         text += ["", "Arms skipped (each failed where it stands, with the first error vLLM logged):", ""]
         text += [f"- {arm}: {why}" for arm, why in summary["arm_failures"].items()]
@@ -622,6 +660,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--settle", type=float, default=1.0, help="seconds after the last answer before a replica stops "
                    "(and between an offload store and the reset)")
+    p.add_argument("--store-quiet", type=float, default=3.0, help="seconds the pool's committed bytes must stand "
+                   "still, with no write lease open, before replica A counts as stored and stops")
+    p.add_argument("--store-timeout", type=float, default=120.0, help="seconds A waits at most for its stores")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--previous", type=Path, action="append", default=[], help="rows.jsonl of an earlier call "
                    "(its `none` answers are the references; its rows enter the report)")
@@ -653,6 +694,20 @@ def parse_size(text: str) -> int:
         if text.endswith(unit):
             return int(float(text[: -len(unit)]) * scale)
     return int(text)
+
+
+def bundle_logs(work: Path, out: Path) -> None:
+    """Every process's log in one OUT/logs.tar.gz when the work folder is under OUT (cuda's default): the device
+    returns at most 8 files a call, and call 2 of 2026-12-03 lost replica B's log to that limit."""
+    work, out = work.resolve(), out.resolve()
+    logs = sorted(work.glob("*.log"))
+    if not logs or out not in work.parents:
+        return
+    with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
+        for log in logs:
+            tar.add(log, arcname=log.name)
+    for log in logs:
+        log.unlink()
 
 
 def main() -> None:
@@ -725,6 +780,7 @@ def main() -> None:
                 process.stop()
         http.close()
         summary = write_report(run)
+        bundle_logs(args.work, args.out)
     print(table(summary), flush=True)
     for arm, why in summary["arm_failures"].items():
         print(why if arm == "run" else f"arm {arm} skipped: {why}", flush=True)
