@@ -48,6 +48,7 @@ KINDS = {
     "vllm": (["bash", "-c", 'bash scripts/carry-vllm.sh install && PYTHONPATH=/tmp/vllm-site:. '
               'exec python3 experiments/vllm_cross_replica.py "$@"', "vllm"], r"^\||TTFT|skipped|failed|error", 30),
     "run13-probe": (["python3", "experiments/h200_run13.py", "run"], r".", 30),
+    "store-load": (["python3", "experiments/h200_store_under_load.py"], r"^\||chunks", 10),
 }
 
 TAIL128 = "--settle 14 --length 131072 --max-model-len 135168"

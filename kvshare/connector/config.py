@@ -23,6 +23,9 @@ class ConnectorConfig:
     register_piece: int = 16 << 30  # CUDA replicas register the arena for DMA in pieces of at most this many bytes,
     register_threads: int = 4  # on this many background threads (a transfer waits only for its own pieces),
     register_ahead: bool = True  # all pieces from the start; False: only pieces a transfer touches (hostmem.py)
+    stream_priority: str = "normal"  # CUDA replicas: "high" runs the transfer's side streams (gathers, scatters,
+    # DMA, hashes) at the device's highest stream priority, so a store overlapping a long prefill is not starved by
+    # its kernels (TransferOptions.stream_priority; not yet measured: h200_store_under_load.py)
     load_waves: int = 1  # a hit loads in this many layer waves, the forward reading each layer once that layer has
     # landed (kvshare.transfer.waves); 1: the whole load before the forward. 1 here, for vLLM, whose CUDA forward
     # with waves could not be measured (vLLM for CUDA cannot be installed on the test GPU); `kvshare serve` defaults
@@ -43,6 +46,7 @@ _EXTRA: dict[str, tuple[str, Any]] = {
     "register_threads": ("register_threads", int),
     "register_ahead": ("register_ahead", bool),
     "load_waves": ("load_waves", int),
+    "stream_priority": ("stream_priority", str),
 }
 EXTRA_KEYS = frozenset(_EXTRA) | {"model_id"}
 _KIND = {str: "a string", int: "an integer", float: "a number", bool: "true or false", parse_size: "a size (\"16GiB\")"}
@@ -79,6 +83,9 @@ def _check(config: ConnectorConfig) -> None:
     if config.checksums_on not in ("device", "host"):
         raise ValueError(f"KVShareConnector: \"checksums_on\" must be \"device\" or \"host\", got "
                          f"{config.checksums_on!r}")
+    if config.stream_priority not in ("normal", "high"):
+        raise ValueError(f"KVShareConnector: \"stream_priority\" must be \"normal\" or \"high\", got "
+                         f"{config.stream_priority!r}")
     if config.l2_promotion not in ("decide", "always"):
         raise ValueError(f"KVShareConnector: \"l2_promotion\" must be \"decide\" or \"always\", got "
                          f"{config.l2_promotion!r}")

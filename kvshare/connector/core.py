@@ -279,7 +279,8 @@ class ConnectorCore:
         if self._kv is not None:
             config = self.config
             options = TransferOptions(checksums=config.checksums_on, register_piece_bytes=config.register_piece,
-                                      register_threads=config.register_threads, register_ahead=config.register_ahead)
+                                      register_threads=config.register_threads, register_ahead=config.register_ahead,
+                                      stream_priority=config.stream_priority)
             transfer = make_transfer(self._kv.layout, self._kv.kv_caches, arena_pages(client), options=options)
         retired, self._attached = self._attached, ArenaLife(_instance_of(client), transfer, client)
         retired.retire()  # normally retired already, by _on_disconnect

@@ -73,6 +73,9 @@ def register(cli) -> None:
     serve.add_argument("--register-ahead", action=argparse.BooleanOptionalAction, default=True,
                        help="CUDA: register every piece from the start; --no-register-ahead registers only the "
                             "pieces transfers touch, when they first do (default: on)")
+    serve.add_argument("--stream-priority", choices=("normal", "high"), default="normal",
+                       help="CUDA: priority of the pool transfers' side streams; high lets stores that overlap a "
+                            "long prefill run ahead of its kernels (default: %(default)s)")
     size = serve.add_mutually_exclusive_group()
     size.add_argument("--num-blocks", type=int, default=None,
                       help="KV cache size in blocks (default: from --kv-cache-memory)")
@@ -137,7 +140,7 @@ def connector_config(args: argparse.Namespace):
     return ConnectorConfig(address=args.pool, chunk_tokens=args.chunk_tokens, verify_checksums=args.verify_checksums,
                            register_piece=piece, register_threads=args.register_threads,
                            register_ahead=args.register_ahead, l2_promotion=args.l2_promotion,
-                           load_waves=args.load_waves)
+                           load_waves=args.load_waves, stream_priority=args.stream_priority)
 
 
 def run_serve(args: argparse.Namespace) -> int:

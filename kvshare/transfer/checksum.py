@@ -78,9 +78,9 @@ class DeviceHasher:
     qwen2.5-32b KV), and two slot-sized temporaries while a slot is hashed, all allocated on the hash stream.
     """
 
-    def __init__(self, device: torch.device, page_size: int, used_per_page: int):
+    def __init__(self, device: torch.device, page_size: int, used_per_page: int, priority: int = 0):
         self.device, self.page_size, self.used_per_page = device, page_size, used_per_page
-        self.stream = torch.cuda.Stream(device)
+        self.stream = torch.cuda.Stream(device, priority=priority)
         self._coefficients: dict[int, torch.Tensor] = {}  # chunk nbytes -> int64 [pages, used_per_page // 8]
         # One Triton kernel where it runs (kvshare.transfer.hash_kernel: 2 launches a slot instead of 9), same bits.
         self._terms_sum = hash_kernel.terms_sum if hash_kernel.available(device) else torch_terms_sum

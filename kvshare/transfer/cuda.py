@@ -35,6 +35,8 @@ from kvshare.transfer.jobs import ChunkPlan, TransferHandle
 from kvshare.transfer.transfer import Transfer, TransferOptions
 from kvshare.transfer.waves import WavePlan
 
+HIGHEST_PRIORITY = -(1 << 10)  # below any device's range: torch clamps it to the highest priority there is
+
 
 @dataclass
 class _Slot:
@@ -57,13 +59,15 @@ class CudaTransfer(Transfer):
     def __init__(self, space: BlockSpace, pages: torch.Tensor, options: TransferOptions):
         super().__init__(space, pages, options)
         self.device = space.device
-        self.gather_stream = torch.cuda.Stream(self.device)
-        self.copy_stream = torch.cuda.Stream(self.device)
+        # torch maps a priority below the device's range onto its highest one; 0 is the default priority
+        priority = HIGHEST_PRIORITY if options.stream_priority == "high" else 0
+        self.gather_stream = torch.cuda.Stream(self.device, priority=priority)
+        self.copy_stream = torch.cuda.Stream(self.device, priority=priority)
         self.used_per_page = self.units_per_page * self.layout.block_bytes
         self.slot_pages = max(1, options.staging_bytes // self.page_size)
         on_device = options.checksums == "device" and DeviceHasher.supports(
             self.page_size, self.used_per_page, self.layout.block_bytes)
-        self.hasher = DeviceHasher(self.device, self.page_size, self.used_per_page) if on_device else None
+        self.hasher = DeviceHasher(self.device, self.page_size, self.used_per_page, priority) if on_device else None
         self._slots = [self._new_slot() for _ in range(options.staging_slots)]
         self._next_slot = 0
         # Once per process and arena view (hostmem keeps the registry); in the background unless register_ahead is off.

@@ -13,10 +13,11 @@ def test_every_key_reaches_its_field():
     config = from_extra_config({"pool": "/run/kvshare/pool.sock", "chunk_tokens": 128, "timeout": 2,
                                 "verify_checksums": False, "checksums_on": "host", "l2_promotion": "always",
                                 "register_piece": "4GiB", "register_threads": 2, "register_ahead": False,
-                                "load_waves": 1, "model_id": "rev-abc"})
+                                "load_waves": 1, "stream_priority": "high", "model_id": "rev-abc"})
     assert config == ConnectorConfig(address="/run/kvshare/pool.sock", chunk_tokens=128, timeout=2.0,
                                      verify_checksums=False, checksums_on="host", l2_promotion="always",
-                                     register_piece=4 << 30, register_threads=2, register_ahead=False, load_waves=1)
+                                     register_piece=4 << 30, register_threads=2, register_ahead=False, load_waves=1,
+                                     stream_priority="high")
 
 
 def test_defaults_are_the_serve_defaults():
@@ -36,6 +37,7 @@ def test_defaults_are_the_serve_defaults():
     ({"pool": "p", "l2_promotion": "never"}, "\"l2_promotion\" must be"),
     ({"pool": "p", "timeout": -1}, "must be positive"),
     ({"pool": "p", "load_waves": 0}, "\"load_waves\" must be >= 1"),
+    ({"pool": "p", "stream_priority": "urgent"}, "\"stream_priority\" must be"),
 ])
 def test_a_bad_key_or_value_is_one_clear_error(extra, names):
     with pytest.raises(ValueError, match="KVShareConnector") as error:

@@ -14,11 +14,12 @@ SLEEP = 50_000_000  # ~25 ms of GPU time: far longer than the copies below
 PAGE = 64 << 10
 
 
-def _setup(arena, ordering, kind="packed_kv", delay=0, fused=True):
+def _setup(arena, ordering, kind="packed_kv", delay=0, fused=True, priority="normal"):
     layout = KVLayout(4, 64, 16, 2, 64, torch.bfloat16, kind=kind)  # 8 KiB blocks, 8 units a page
     layers = make_kv(layout, device="cuda", fused=fused)
     pages = arena(64, PAGE)
-    options = TransferOptions(ordering=ordering, side_delay_cycles=delay, staging_bytes=2 * PAGE)
+    options = TransferOptions(ordering=ordering, side_delay_cycles=delay, staging_bytes=2 * PAGE,
+                              stream_priority=priority)
     return layout, layers, pages, make_transfer(layout, layers, pages, options=options)
 
 
@@ -28,8 +29,8 @@ def _stored(layout, pages, page_ids, bpc):
     return np.concatenate([pages[p, : min(used, nbytes - k * PAGE)].numpy() for k, p in enumerate(page_ids)])
 
 
-def _store_under_delay(arena, ordering):
-    layout, layers, pages, transfer = _setup(arena, ordering)
+def _store_under_delay(arena, ordering, priority="normal"):
+    layout, layers, pages, transfer = _setup(arena, ordering, priority=priority)
     blocks, page_ids = list(range(8)), list(range(4))  # 8 blocks x 4 layers = 32 units = 4 pages
     fresh = [torch.randint(0, 256, (8, layout.block_bytes), dtype=torch.uint8, device="cuda") for _ in layers]
     torch.cuda._sleep(SLEEP)  # the producer is late ...
@@ -43,8 +44,8 @@ def _store_under_delay(arena, ordering):
     return exact and handle.checksums() == [transfer.checksum(page_ids, nbytes)]  # hashed what was copied
 
 
-def _load_under_delay(arena, ordering):
-    layout, layers, pages, transfer = _setup(arena, ordering, delay=SLEEP)
+def _load_under_delay(arena, ordering, priority="normal"):
+    layout, layers, pages, transfer = _setup(arena, ordering, delay=SLEEP, priority=priority)
     torch.cuda.synchronize()  # the KV is written before this store even with ordering="none"
     stored = transfer.store([StoreJob(list(range(8)), list(range(4)))]).checksums()
     targets = list(range(32, 40))
@@ -60,17 +61,28 @@ def _load_under_delay(arena, ordering):
     return loaded, skipped_kept
 
 
-def test_store_waits_for_the_producer(arena):
-    assert all(_store_under_delay(arena, "stream") for _ in range(5))
+@pytest.mark.parametrize("priority", ["normal", "high"])
+def test_store_waits_for_the_producer(arena, priority):
+    assert all(_store_under_delay(arena, "stream", priority) for _ in range(5))
 
 
 def test_store_without_ordering_reads_stale_kv(arena):
     assert not any(_store_under_delay(arena, "none") for _ in range(3))
 
 
-def test_load_is_ordered_before_the_consumer(arena):
+@pytest.mark.parametrize("priority", ["normal", "high"])
+def test_load_is_ordered_before_the_consumer(arena, priority):
     for _ in range(5):
-        assert _load_under_delay(arena, "stream") == (True, True)
+        assert _load_under_delay(arena, "stream", priority) == (True, True)
+
+
+def test_high_priority_side_streams_outrank_the_callers(arena):
+    *_, transfer = _setup(arena, "stream", priority="high")
+    default = torch.cuda.current_stream().priority
+    side = [transfer.gather_stream, transfer.copy_stream] + ([transfer.hasher.stream] if transfer.hasher else [])
+    assert all(stream.priority < default for stream in side)  # lower is higher in CUDA
+    *_, normal = _setup(arena, "stream")
+    assert normal.gather_stream.priority == default
 
 
 def test_load_without_ordering_is_seen_unfinished(arena):
