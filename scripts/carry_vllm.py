@@ -3,9 +3,10 @@
 The host has no network and each device call carries at most 64 MiB (the working tree included), so `prepare`
 (here) downloads the wheels, splits the large ones and bundles the small ones into pieces that fit, and prints the
 device calls to make; `receive N...` (there) copies carried pieces into /tmp/vllm-carry/ and checks them; `install`
-(there) reassembles the wheels, checks them and installs them into /tmp/vllm-site. Entry point: scripts/carry-vllm.sh.
-docs/vllm-on-h200.md describes the procedure. The host side needs only the standard library (and `packaging`,
-which the host has, for the version report).
+(there) reassembles the wheels, checks them and installs them into /tmp/vllm-site. `prepare --lmcache` adds LMCache
+0.5.3 (the release built for the host's torch 2.11) and what it needs of the rest, for vLLM's LMCacheConnectorV1.
+Entry point: scripts/carry-vllm.sh. docs/vllm-on-h200.md describes the procedure. The host side needs only the
+standard library (and `packaging`, which the host has, for the version report).
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ VLLM_VERSION = "0.26.0"
 VLLM_WHEEL = f"vllm-{VLLM_VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl"
 VLLM_SIZE = 303_698_761
 VLLM_SHA256 = "adb1e4c9b46d0dfdb094121ae5aad670a42412dd813ed4e5db069ed6a15006de"
+
+# LMCache 0.5.3: the newest release whose compiled c_ops was built against torch 2.11.0 with CUDA 13 (its sdist's
+# build requirement); 0.5.4 and later are built for torch 2.13 and their extension does not load on the host's torch.
+LMCACHE_VERSION = "0.5.3"
+LMCACHE_WHEEL = f"lmcache-{LMCACHE_VERSION}-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl"
+LMCACHE_SIZE = 15_263_628
+LMCACHE_SHA256 = "e7adfc5b4113e0bd626c692afbfe84c07abf895ab14638409f3ee426ce9bd288"
 
 MIB = 1 << 20
 CARRY_LIMIT = 64 * MIB  # what one device call may carry, the working tree included
@@ -91,6 +99,35 @@ HOST_VERSIONS = {
 KERNEL_ROOTS = {"flashinfer-python", "apache-tvm-ffi", "tilelang", "nvidia-cudnn-frontend", "nvtx", "fastsafetensors",
                 "nvidia-cutlass-dsl", "quack-kernels", "tokenspeed-mla", "humming-kernels", "torchcodec",
                 "pynvvideocodec"}
+
+
+# LMCache 0.5.3's requirements that `prepare --lmcache` leaves out, each with why: read from the wheel, no import at
+# module level on the path from vllm's lmcache_connector through lmcache.integration.vllm.vllm_v1_adapter (its engine,
+# storage manager, every remote-connector adapter, the local CPU backend) or from lmcache.v1.server reaches them; the
+# backends that import them do so when they are configured, and the arm uses none of them. (cupy-cuda13x, the one
+# large requirement, is on the host already, as are numpy, numba, psutil, pyyaml and the other plain ones.)
+LMCACHE_LEFT_OUT = {
+    "awscrt": "the S3 connector",
+    "cufile-python": "the GPUDirect Storage backend",
+    "google-api-core": "the Bigtable connector",
+    "google-cloud-bigtable": "the Bigtable connector",
+    "redis": "the Redis connector",
+    "nvtx": "profiling ranges, imported under try in lmcache.utils (one of vLLM's --kernels set)",
+    "setuptools-scm": "LMCache's build, never imported",
+    # LMCache's multiprocess mode's observability only; its pins (opentelemetry-api<=1.40.0) would also take vLLM's
+    # OpenTelemetry tree (1.45) back a release, so vLLM's carried one stays.
+    "opentelemetry-api": "the multiprocess mode's tracing",
+    "opentelemetry-sdk": "the multiprocess mode's tracing",
+    "opentelemetry-exporter-otlp": "the multiprocess mode's tracing",
+    "opentelemetry-exporter-prometheus": "the multiprocess mode's metrics",
+}
+
+# What `install` imports to call the install good: vLLM's OpenAI server, and with LMCache carried, vLLM's LMCache
+# connector and the LMCache adapter that connector builds (without `use_native`, LMCache's own implementation).
+VLLM_IMPORTS = ("vllm", "vllm.entrypoints.openai.api_server")
+LMCACHE_IMPORTS = ("lmcache", "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector",
+                   "lmcache.integration.vllm.vllm_v1_adapter")
+LMCACHE_FALLBACK = "compiled extension not found"  # LMCache's warning when c_ops fails to load (torch ops instead)
 
 
 def die(msg: str) -> None:
@@ -177,21 +214,33 @@ def make_stubs(stub_dir: Path, pins: list[str]) -> Path:
     return constraints
 
 
-def resolve(vllm_whl: Path, kernels: bool) -> tuple[dict, list[dict]]:
+def requires_dist(whl: Path) -> list[str]:
+    meta = wheel_metadata(whl)
+    return [line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")]
+
+
+def resolve(vllm_whl: Path, kernels: bool, lmcache_whl: Path | None = None) -> tuple[dict, list[dict]]:
     """Which wheels the host lacks: vLLM's Requires-Dist (markers for the host), the ones the host has set aside,
     the rest resolved by pip together with everything they pull in; host packages met on the way are kept as
-    requirements for the host check, not carried."""
-    meta = wheel_metadata(vllm_whl)
-    direct = [line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")]
-    roots, host_reqs, skipped = [], [], []
-    for req in requires(direct, set()):
+    requirements for the host check, not carried. With `lmcache_whl`, LMCache's Requires-Dist join vLLM's (less
+    LMCACHE_LEFT_OUT) in the same resolution, so both trees agree on every shared package."""
+    roots, host_reqs, skipped, lmcache_left_out = [], [], [], []
+    for req in requires(requires_dist(vllm_whl), set()):
         n = norm(req.name)
         if n in HOST_PACKAGES:
             host_reqs.append({"name": n, "spec": str(req.specifier), "by": "vllm"})
         elif n in KERNEL_ROOTS and not kernels:
             skipped.append(req)
         else:
-            roots.append(req)
+            roots.append((req, "vllm"))
+    for req in requires(requires_dist(lmcache_whl), set()) if lmcache_whl else []:
+        n = norm(req.name)
+        if n in LMCACHE_LEFT_OUT:
+            lmcache_left_out.append(f"{req} ({LMCACHE_LEFT_OUT[n]})")
+        elif n in HOST_PACKAGES:
+            host_reqs.append({"name": n, "spec": str(req.specifier), "by": "lmcache"})
+        else:
+            roots.append((req, "lmcache"))
     stubs = REPO / CARRY_DIR / "stubs"
     # vLLM's pins on what is left out still hold where something else pulls it in (xgrammar: apache-tvm-ffi).
     constraints = make_stubs(stubs, [f"{r.name}{r.specifier}" for r in skipped if str(r.specifier)])
@@ -199,14 +248,14 @@ def resolve(vllm_whl: Path, kernels: bool) -> tuple[dict, list[dict]]:
     with tempfile.TemporaryDirectory() as target:
         # --target keeps pip off this machine's own environment; --ignore-installed resolves from nothing.
         pip("install", "-q", "--dry-run", "--ignore-installed", "--report", str(report), "--target", target,
-            "--find-links", str(stubs), "-c", str(constraints), *platform_args(), *[str(r) for r in roots])
+            "--find-links", str(stubs), "-c", str(constraints), *platform_args(), *[str(r) for r, _ in roots])
     found = {}
     for item in json.loads(report.read_text())["install"]:
         m = item["metadata"]
         found[norm(m["name"])] = item
     # Walk the tree again with the host's markers (pip evaluated them for this machine's Python).
     carry: dict[str, dict] = {}
-    todo = [(r, "vllm") for r in roots]
+    todo = list(roots)
     while todo:
         req, by = todo.pop()
         n = norm(req.name)
@@ -245,6 +294,8 @@ def resolve(vllm_whl: Path, kernels: bool) -> tuple[dict, list[dict]]:
     uniq = {(h["name"], h["spec"], h["by"]) for h in host_reqs}
     info = {"host_requirements": [dict(zip(("name", "spec", "by"), u)) for u in sorted(uniq)],
             "left_out": sorted(str(r) for r in skipped)}
+    if lmcache_whl:
+        info["lmcache_left_out"] = sorted(lmcache_left_out)
     return info, wheels
 
 
@@ -265,6 +316,22 @@ def download(wheels: list[dict], dest: Path) -> None:
             die(f"{w['file']} has sha256 {got}, the index says {w['sha256']}; delete it and rerun prepare")
         w["sha256"] = got
         w["size"] = path.stat().st_size
+
+
+def fetch_pinned(wdir: Path, name: str, version: str, file: str, size: int, sha: str) -> Path:
+    """One wheel pinned by name, size and sha256 (vLLM's, LMCache's): downloaded unless already here, then checked."""
+    whl = wdir / file
+    if not whl.exists() or whl.stat().st_size != size:
+        print(f"downloading {file} ({mib(size)})")
+        whl.unlink(missing_ok=True)
+        pip("download", "-q", "--no-deps", *platform_args(), "-d", str(wdir), f"{name}=={version}")
+        if not whl.exists():
+            die(f"pip saved no {file}; check that the index has {name}=={version} for manylinux_2_28_x86_64")
+    got = sha256(whl)
+    if got != sha:
+        die(f"{whl.relative_to(REPO)} has sha256 {got}, expected {sha}; delete it and rerun prepare")
+    print(f"{file}: {size} bytes, sha256 ok")
+    return whl
 
 
 def tree_bytes() -> int:
@@ -381,20 +448,16 @@ def cmd_prepare(args: argparse.Namespace) -> None:
             f.write(f"/{CARRY_DIR}/\n")
     wdir = REPO / WHEELS
     wdir.mkdir(parents=True, exist_ok=True)
-    vllm_whl = wdir / VLLM_WHEEL
-    if not vllm_whl.exists() or vllm_whl.stat().st_size != VLLM_SIZE:
-        print(f"downloading {VLLM_WHEEL} ({mib(VLLM_SIZE)})")
-        vllm_whl.unlink(missing_ok=True)
-        pip("download", "-q", "--no-deps", *platform_args(), "-d", str(wdir), f"vllm=={VLLM_VERSION}")
-        if not vllm_whl.exists():
-            die(f"pip saved no {VLLM_WHEEL}; check that the index has vllm=={VLLM_VERSION} for manylinux_2_28_x86_64")
-    got = sha256(vllm_whl)
-    if got != VLLM_SHA256:
-        die(f"{vllm_whl.relative_to(REPO)} has sha256 {got}, expected {VLLM_SHA256}; delete it and rerun prepare")
-    print(f"{VLLM_WHEEL}: {VLLM_SIZE} bytes, sha256 ok")
-    info, wheels = resolve(vllm_whl, args.kernels)
+    vllm_whl = fetch_pinned(wdir, "vllm", VLLM_VERSION, VLLM_WHEEL, VLLM_SIZE, VLLM_SHA256)
+    lmcache_whl = fetch_pinned(wdir, "lmcache", LMCACHE_VERSION, LMCACHE_WHEEL, LMCACHE_SIZE, LMCACHE_SHA256) \
+        if args.lmcache else None
+    info, wheels = resolve(vllm_whl, args.kernels, lmcache_whl)
     download(wheels, wdir)
-    keep = {VLLM_WHEEL} | {w["file"] for w in wheels}
+    if lmcache_whl:  # a wheel like the others from here on: bundled, reassembled, checked, installed
+        wheels.append({"name": "lmcache", "version": LMCACHE_VERSION, "file": LMCACHE_WHEEL, "sha256": LMCACHE_SHA256,
+                       "kernels": False, "needed_by": ["--lmcache"], "size": LMCACHE_SIZE})
+    # the LMCache wheel stays through a prepare without --lmcache: the next --lmcache needs no download
+    keep = {VLLM_WHEEL, LMCACHE_WHEEL} | {w["file"] for w in wheels}
     for stale in wdir.glob("*.whl"):  # versions an earlier prepare chose
         if stale.name not in keep:
             stale.unlink()
@@ -408,6 +471,9 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         "kernels": args.kernels, "wheels": wheels, "pieces": pieces, **info,
         "tree_bytes": tree, "budget": budget, "carried_bytes": sum(p["size"] for p in pieces),
     }
+    if lmcache_whl:  # only then: a manifest without --lmcache stays as it was
+        manifest["lmcache"] = {"file": LMCACHE_WHEEL, "size": LMCACHE_SIZE, "sha256": LMCACHE_SHA256,
+                               "version": LMCACHE_VERSION}
     manifest["calls"] = plan_calls(pieces, budget)
     manifest["id"] = hashlib.sha256(json.dumps(pieces, sort_keys=True).encode()).hexdigest()[:16]
     (REPO / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
@@ -418,6 +484,9 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     if info["left_out"]:
         print("left out (CUDA kernel and media libraries; prepare --kernels carries them): "
               + ", ".join(info["left_out"]))
+    if info.get("lmcache_left_out"):
+        print("left out of LMCache's requirements (not imported on LMCacheConnectorV1's path): "
+              + ", ".join(info["lmcache_left_out"]))
     print(f"{len(pieces)} pieces in {PIECES}/, manifest {MANIFEST}")
     print_calls(manifest)
 
@@ -487,11 +556,31 @@ def cmd_receive(args: argparse.Namespace) -> None:
               f" make the calls again from the first, back to back")
 
 
-def check_import(site: Path, py: str) -> tuple[bool, str]:
+def check_import(site: Path, py: str, modules: tuple[str, ...], show: str = "") -> tuple[bool, str, str]:
+    """Imports `modules` in a fresh `py` with `site` first: (ok, what `show` evaluates to (default: the first
+    module's version), everything it printed). That goes out behind a marker: LMCache logs to stdout as it imports."""
     env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep)}
-    r = subprocess.run([py, "-c", "import vllm, vllm.entrypoints.openai.api_server; print(vllm.__version__)"],
-                       env=env, capture_output=True, text=True)
-    return r.returncode == 0, (r.stdout.strip() if r.returncode == 0 else r.stderr.strip())
+    code = f"import {', '.join(modules)}; print('carry-vllm-shows', {show or modules[0] + '.__version__'})"
+    r = subprocess.run([py, "-c", code], env=env, capture_output=True, text=True)
+    said = (r.stdout + r.stderr).strip()
+    shown = [line.split(" ", 1)[1] for line in r.stdout.splitlines() if line.startswith("carry-vllm-shows ")]
+    return r.returncode == 0 and bool(shown), (shown[-1] if shown else ""), said
+
+
+def check_lmcache(site: Path, py: str) -> tuple[bool, str]:
+    """LMCache's imports (LMCACHE_IMPORTS); the message names the device LMCache found and, on CUDA, whether its
+    compiled c_ops loaded or LMCache fell back to its torch ops (slower; a few ops raise NotImplementedError)."""
+    ok, shown, said = check_import(site, py, LMCACHE_IMPORTS, "lmcache.__version__, lmcache.torch_device_type")
+    if not ok:
+        return False, said[-2500:]
+    version, device = shown.split()
+    if device != "cuda":
+        ops = f"device {device}: no CUDA, so c_ops was not tried"
+    elif LMCACHE_FALLBACK in said:
+        ops = "cuda, on its torch fallback: its compiled c_ops did not load"
+    else:
+        ops = "cuda, with its compiled c_ops"
+    return True, f"lmcache {version} imports ({', '.join(LMCACHE_IMPORTS[1:])} too); {ops}"
 
 
 def host_report(manifest: dict, site: Path, py: str) -> None:
@@ -527,9 +616,13 @@ def cmd_install(args: argparse.Namespace) -> None:
     stamp = site / f".carry-vllm-{manifest['id']}"
     pythonpath = f"export PYTHONPATH={site}:."
     if stamp.exists():
-        ok, out = check_import(site, py)
-        if ok:
-            print(f"vllm {out} already installed in {site}; import ok ({time.monotonic() - t0:.1f} s)\n{pythonpath}")
+        ok, version, _ = check_import(site, py, VLLM_IMPORTS)
+        lmcache_ok, lmcache_said = check_lmcache(site, py) if manifest.get("lmcache") else (True, "")
+        if ok and lmcache_ok:
+            print(f"vllm {version} already installed in {site}; import ok ({time.monotonic() - t0:.1f} s)")
+            if lmcache_said:
+                print(lmcache_said)
+            print(pythonpath)
             return
         print(f"carry-vllm: {site} was installed but the import fails now; installing again")
     have = present(manifest, tmp)
@@ -573,12 +666,21 @@ def cmd_install(args: argparse.Namespace) -> None:
     shutil.rmtree(wdir, ignore_errors=True)  # the pieces stay, so install can run again
     print(f"installed into {site}; {time.monotonic() - t0:.1f} s")
     host_report(manifest, site, py)
-    ok, out = check_import(site, py)
+    ok, version, said = check_import(site, py, VLLM_IMPORTS)
     if not ok:
         die(f"`import vllm, vllm.entrypoints.openai.api_server` fails with PYTHONPATH={site}:"
-            f"\n{out[-2500:]}\nthe last line names the missing module: carry it as a wheel too (prepare's list)")
+            f"\n{said[-2500:]}\nthe last line names the missing module: carry it as a wheel too (prepare's list)")
+    lmcache = bool(manifest.get("lmcache"))
+    print(f"vllm {version} imports, vllm.entrypoints.openai.api_server too; {time.monotonic() - t0:.1f} s"
+          + ("" if lmcache else " in all"))
+    if lmcache:
+        ok, said = check_lmcache(site, py)
+        if not ok:
+            die(f"`import {', '.join(LMCACHE_IMPORTS)}` fails with PYTHONPATH={site}:\n{said}\nthe last line names"
+                " what is missing: if LMCACHE_LEFT_OUT in scripts/carry_vllm.py names it, take it off that list and"
+                " prepare --lmcache again")
+        print(f"{said}; {time.monotonic() - t0:.1f} s in all")
     stamp.write_text(time.strftime("%Y-%m-%dT%H:%M:%S") + "\n")
-    print(f"vllm {out} imports, vllm.entrypoints.openai.api_server too; {time.monotonic() - t0:.1f} s in all")
     print(pythonpath)
 
 
@@ -587,10 +689,13 @@ def main() -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="here: download, split, write the manifest, print the device calls")
     p.add_argument("--kernels", action="store_true", help="also carry vLLM's CUDA kernel and media libraries")
+    p.add_argument("--lmcache", action="store_true", help=f"also carry LMCache {LMCACHE_VERSION} (vLLM's "
+                   "LMCacheConnectorV1) and what it needs that the host lacks")
     sub.add_parser("plan", help="here: print the device calls of the last prepare again")
     r = sub.add_parser("receive", help="there: copy carried pieces into /tmp/vllm-carry and check them")
     r.add_argument("n", type=int, nargs="+")
-    sub.add_parser("install", help="there: reassemble, check, install into /tmp/vllm-site, import vllm")
+    sub.add_parser("install", help="there: reassemble, check, install into /tmp/vllm-site, import vllm (and lmcache"
+                   " when carried)")
     args = ap.parse_args()
     {"prepare": cmd_prepare, "plan": cmd_plan, "receive": cmd_receive, "install": cmd_install}[args.cmd](args)
 
