@@ -14,6 +14,17 @@ Arms (each replica a `vllm.entrypoints.openai.api_server` process, requests thro
            `POST /reset_prefix_cache` (dev endpoint, needs VLLM_SERVER_DEV_MODE=1; without `reset_external` it drops
            only the GPU prefix cache, the CPU copy stays; retried while offloads are in flight), then the same prompt
            again: its TTFT is the offload hit. No cross-replica reuse is possible with it.
+  lmcache  LMCache 0.5.3 through vLLM's LMCacheConnectorV1 (kv_both), configured as an LMCache user does: a YAML
+           file named by LMCACHE_CONFIG_FILE (chunk_size 256, local_cpu with max_local_cpu_size sized like the
+           offload arm's CPU cache, remote_url lm://127.0.0.1:PORT, pre_caching_hash_algorithm sha256_cbor and
+           PYTHONHASHSEED=0 so that both replicas key chunks alike). Replica A does what the offload arm does (a
+           request, the GPU prefix cache reset, the same prompt again: the hit from LMCache's local CPU cache) and
+           waits until LMCache's own cache server (`python -m lmcache.v1.server HOST PORT cpu`, shipped in the wheel,
+           one process holding every chunk in its memory) has stopped growing; A stops, B starts with the same
+           config and serves the same prompts: B's TTFT is the cross-replica load through the lm:// server. The
+           server has no eviction, so the prompts go in rounds that fit --lmcache-server-size, a fresh server
+           each. `--lmcache-server none`: A's part only. Needs LMCache importable by the vLLM Python
+           (`bash scripts/carry-vllm.sh prepare --lmcache` carries it to the H200); else the arm is skipped.
 Every replica first serves an unrecorded warm-up (rows kind "warmup"): a process's first request pays one-off
 kernel and allocator costs. kvshare's A stores the warm-up prompt and B loads it, so B's load path is warm too; the
 offload arm warms both of its paths the same way.
@@ -54,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -86,6 +98,7 @@ from connectors_cpu import (  # noqa: E402
     free_port,
     last_error_line,
     machine,
+    port_open,
     random_prompt,
     wait_for,
 )
@@ -96,8 +109,18 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # The rows the table shows, in order: (arm, role) -> label
 SHOWN = {("none", "ref"): "none (recompute)", ("kvshare", "B"): "kvshare B (cross-replica load)",
          ("kvshare", "A"): "kvshare A (compute + store)", ("offload", "hit"): "offload hit (same replica, reset)",
-         ("offload", "store"): "offload first (compute + store)"}
+         ("offload", "store"): "offload first (compute + store)",
+         ("lmcache", "B"): "lmcache B (cross-replica, lm:// server)",
+         ("lmcache", "hit"): "lmcache A hit (same replica, reset)",
+         ("lmcache", "store"): "lmcache A first (compute + store)"}
 HIT_ROLES = {"B", "hit"}  # roles expected to load from a connector
+# What the lmcache arm imports before it starts a replica: LMCache, vLLM's connector for it, and the LMCache adapter
+# that connector builds (scripts/carry_vllm.py's install checks the same three).
+LMCACHE_IMPORTS = ("lmcache", "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector",
+                   "lmcache.integration.vllm.vllm_v1_adapter")
+# The rate the budget plans with for LMCache's lm:// server (a Python socket server, one connection a replica): its
+# puts and gets of 64 MiB chunks ran at 0.3-0.9 GB/s on a 2-core CPU machine; a planning guess for the H200 host.
+LM_SERVER_GBPS = 1.0
 
 
 class Stop(Exception):
@@ -423,16 +446,19 @@ def arm_none(run: Run, http, cells) -> None:
     serve_phase(run, http, "none", "ref", None, cells)
 
 
-def pool_rounds(run: Run, cells) -> list[list[tuple[int, int]]]:
-    """Cells in rounds whose prompts (with the warm-up) fit in 85% of the pool: A stores a round, B loads it."""
-    capacity = 0.85 * run.meta["pool_bytes"] - run.args.warmup_len * run.meta["kv_bytes_per_token"]
+def pool_rounds(run: Run, cells, store_bytes: int | None = None, arm: str = "kvshare", store: str = "pool",
+                knob: str = "--pool-size") -> list[list[tuple[int, int]]]:
+    """Cells in rounds whose prompts (with the warm-up) fit in 85% of the store (default: kvshare's pool): A stores a
+    round, B loads it."""
+    size = run.meta["pool_bytes"] if store_bytes is None else store_bytes
+    capacity = 0.85 * size - run.args.warmup_len * run.meta["kv_bytes_per_token"]
     rounds: list[list[tuple[int, int]]] = [[]]
     used = 0
     for length, rep in cells:
         need = length * run.meta["kv_bytes_per_token"]
         if need > capacity:
-            run.skip("kvshare", "A+B", f"{length} tokens rep {rep}", f"{gib(need)} of K/V exceeds the pool's "
-                     f"usable {gib(capacity)} (--pool-size)")
+            run.skip(arm, "A+B", f"{length} tokens rep {rep}", f"{gib(need)} of K/V exceeds the {store}'s "
+                     f"usable {gib(capacity)} ({knob})")
             continue
         if used + need > capacity and rounds[-1]:
             rounds.append([])
@@ -478,30 +504,175 @@ def arm_kvshare(run: Run, http, cells) -> None:
         sock.unlink(missing_ok=True)
 
 
-def arm_offload(run: Run, http, cells) -> None:
-    args = run.args
-    longest = max(length for length, _ in cells)
-    cpu_bytes = args.offload_bytes or int(1.25 * longest * run.meta["kv_bytes_per_token"]) + (1 << 30)
-    config = {"kv_connector": args.offload_connector, "kv_role": "kv_both",
-              "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes}}
-    run.meta["kv_transfer_config"]["offload"] = config
-
-    def store_then_hit(http, replica, router, length, rep):
-        prompt = cell_prompt(args, length, rep)
-        first = run.ask(http, replica, router, prompt, "measured", "offload", "store", length, rep)
+def store_then_hit(run: Run, arm: str, settle):
+    """serve_phase's per_cell for same-replica reuse: a request (role "store": compute + store), `settle(length,
+    rep)` (the connector's copy of its blocks finishes after the answer), POST /reset_prefix_cache (the GPU prefix
+    cache only), the same prompt again (role "hit")."""
+    def per_cell(http, replica, router, length, rep):
+        prompt = cell_prompt(run.args, length, rep)
+        first = run.ask(http, replica, router, prompt, "measured", arm, "store", length, rep)
         if first["error"]:
             return [first]
-        time.sleep(args.settle)  # the offload of the first request's blocks finishes after its answer
+        settle(length, rep)
         if not reset_prefix_cache(http, replica.url):
             first["error"] = "reset_prefix_cache failed (no success in 60 s)"
             return [first]
-        return [first, run.ask(http, replica, router, prompt, "measured", "offload", "hit", length, rep)]
+        return [first, run.ask(http, replica, router, prompt, "measured", arm, "hit", length, rep)]
 
+    return per_cell
+
+
+def cpu_cache_bytes(run: Run, cells) -> int:
+    """A same-replica CPU cache that holds the longest prompt whole: 1.25 x its K/V + 1 GiB."""
+    longest = max(length for length, _ in cells)
+    return int(1.25 * longest * run.meta["kv_bytes_per_token"]) + (1 << 30)
+
+
+def arm_offload(run: Run, http, cells) -> None:
+    args = run.args
+    cpu_bytes = args.offload_bytes or cpu_cache_bytes(run, cells)
+    config = {"kv_connector": args.offload_connector, "kv_role": "kv_both",
+              "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes}}
+    run.meta["kv_transfer_config"]["offload"] = config
     serve_phase(run, http, "offload", "store", config, cells, env={"VLLM_SERVER_DEV_MODE": "1"},
-                per_cell=store_then_hit)
+                per_cell=store_then_hit(run, "offload", lambda length, rep: time.sleep(args.settle)))
 
 
-ARMS = {"none": arm_none, "kvshare": arm_kvshare, "offload": arm_offload}
+# ---- lmcache -------------------------------------------------------------------------------------------------------
+def lmcache_missing(settings: Settings) -> str:
+    """Why LMCache cannot run under the vLLM Python, in one line ("" when its imports work)."""
+    code = f"import {', '.join(LMCACHE_IMPORTS)}"
+    try:
+        probe = subprocess.run([settings.vllm_python, "-c", code], capture_output=True, text=True, timeout=300,
+                               env={**os.environ, **settings.env()}, cwd=settings.work)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"the LMCache import probe failed: {type(error).__name__}: {error}"
+    if probe.returncode == 0:
+        return ""
+    lines = [line for line in probe.stderr.splitlines() if line.strip()]
+    return (f"{settings.vllm_python} cannot import LMCache ({lines[-1] if lines else f'exit {probe.returncode}'});"
+            " on the H200 carry it with `bash scripts/carry-vllm.sh prepare --lmcache` (docs/vllm-on-h200.md)")
+
+
+def write_lmcache_config(path: Path, cpu_bytes: int, remote_url: str | None) -> None:
+    """LMCache's own config file (LMCACHE_CONFIG_FILE; the key names of lmcache/v1/config.py in 0.5.3). Chunks are
+    keyed by vLLM's sha256_cbor, seeded by PYTHONHASHSEED, which the replicas' environment fixes, so replica B finds
+    what A stored (LMCache's default, "builtin", is no hash vLLM 0.26 names: it falls back to Python's hash())."""
+    lines = [f"chunk_size: {CHUNK}", "local_cpu: true", f"max_local_cpu_size: {cpu_bytes / 2**30:.2f}",
+             "pre_caching_hash_algorithm: sha256_cbor"]
+    if remote_url:  # JSON strings are YAML strings
+        lines += [f"remote_url: {json.dumps(remote_url)}", "remote_serde: naive"]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def wait_for_server(run: Run, server: Process, length: int, rep: int) -> None:
+    """Until the lm:// server's memory stands still for --store-quiet seconds (at most --store-timeout): LMCache
+    sends a chunk to its remote backend in the background (remote_backend.py: a coroutine on its own event loop)
+    after storing it locally, and its server answers no question that counts them, but it grows by each chunk it
+    receives. A must not stop before the last one lands."""
+    started, last, still_since, timeline = time.monotonic(), -1, time.monotonic(), []
+    while True:
+        if not server.alive():
+            raise RuntimeError(f"LMCache's lm:// server exited: {last_error_line(server)}")
+        now, rss = time.monotonic(), rss_bytes(server.popen.pid)
+        timeline.append((round(now - started, 2), rss))
+        if rss != last:
+            last, still_since = rss, now
+        if now - still_since >= run.args.store_quiet or now - started >= run.args.store_timeout:
+            break
+        time.sleep(0.5)
+    timed_out = now - started >= run.args.store_timeout
+    print(f"  lmcache store {length} rep {rep}: the lm:// server stood still {still_since - started:.1f} s after "
+          f"the answer at {last / 2**30:.1f} GiB" + (" (timed out)" if timed_out else ""), flush=True)
+    run.record({"kind": "lmcache-server", "arm": "lmcache", "role": "store", "repeat": rep, "length": length,
+                "ttft_s": None, "latency_s": None, "store_settle_s": round(still_since - started, 2),
+                "rss_timeline": timeline, "error": "", "timed_out": timed_out})
+
+
+def lmcache_server_bytes(run: Run, cpu_bytes: int) -> int:
+    """What one lm:// server may hold: --lmcache-server-size, or auto: the host's available memory less a replica's
+    LMCache CPU cache (pinned; A's and B's never overlap) and 16 GiB for the replica itself."""
+    if run.args.lmcache_server_size != "auto":
+        return parse_size(run.args.lmcache_server_size)
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    return max(1 << 30, available - cpu_bytes - (16 << 30))
+
+
+def start_lm_server(run: Run) -> tuple[Process, str]:
+    port = free_port()
+    server = run.spawn("lmcache-server", [run.settings.vllm_python, "-m", "lmcache.v1.server", "127.0.0.1",
+                                          str(port), "cpu"], run.settings.env())
+    wait_for(lambda: port_open(port), 120, "LMCache's lm:// server", server)
+    return server, f"lm://127.0.0.1:{port}"
+
+
+def arm_lmcache(run: Run, http, cells) -> None:
+    args, s = run.args, run.settings
+    missing = lmcache_missing(s)
+    if missing:
+        raise RuntimeError(missing)
+    cpu_bytes = args.lmcache_cpu_bytes or cpu_cache_bytes(run, cells)
+    config_file = s.work / "lmcache.yaml"
+    # PYTHONHASHSEED: vLLM's NONE_HASH, the seed of every chunk key, is random without it
+    env = {"LMCACHE_CONFIG_FILE": str(config_file), "PYTHONHASHSEED": "0", "LMCACHE_TRACK_USAGE": "false",
+           "VLLM_SERVER_DEV_MODE": "1"}
+    config = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    run.meta["kv_transfer_config"]["lmcache"] = config
+    run.meta["lmcache"] = {"max_local_cpu_bytes": cpu_bytes, "server": args.lmcache_server,
+                           "env": {k: v for k, v in env.items() if k != "LMCACHE_CONFIG_FILE"}}
+    if args.lmcache_server == "none":
+        run.skip("lmcache", "B", "cross-replica", "--lmcache-server none")
+        write_lmcache_config(config_file, cpu_bytes, None)
+        serve_phase(run, http, "lmcache", "store", config, cells, env,
+                    per_cell=store_then_hit(run, "lmcache", lambda length, rep: time.sleep(args.settle)))
+        return
+    server_bytes = lmcache_server_bytes(run, cpu_bytes)
+    run.meta["lmcache"]["server_bytes"] = server_bytes
+    rounds = pool_rounds(run, cells, server_bytes, "lmcache", "lm:// server", "--lmcache-server-size")
+    for i, round_cells in enumerate(rounds):
+        round_cells = lmcache_round_in_budget(run, round_cells)
+        if not round_cells:
+            continue
+        print(f"lmcache round {i}: {round_cells}", flush=True)
+        server, url = start_lm_server(run)
+        try:
+            write_lmcache_config(config_file, cpu_bytes, url)
+            settle = functools.partial(wait_for_server, run, server)  # A's chunks reach the server, then the reset
+            stored = serve_phase(run, http, "lmcache", "store", config, round_cells, env,
+                                 per_cell=store_then_hit(run, "lmcache", settle))
+            serve_phase(run, http, "lmcache", "B", config, stored, env)
+        finally:
+            run.stop(server)
+
+
+def lmcache_round_in_budget(run: Run, cells) -> list[tuple[int, int]]:
+    """The round's cells less the last ones while A (compute, settle, hit) then B (load) would not fit the budget;
+    each prompt's K/V crosses the lm:// server twice (A's puts, B's gets) at about LM_SERVER_GBPS."""
+    cells = list(cells)
+    kvb = run.meta["kv_bytes_per_token"]
+
+    def need() -> float:
+        return 2 * run.start_estimate() + sum(run.request_estimate(n, False) + 2 * run.request_estimate(n, True)
+                                              + run.args.store_quiet + 2 * n * kvb / (LM_SERVER_GBPS * 1e9)
+                                              for n, _ in cells)
+
+    while cells and not run.fits(need()):
+        length, rep = cells.pop()
+        run.skip("lmcache", "A+B", f"{length} tokens rep {rep}", f"budget: A then B need ~{need():.0f} s, "
+                 f"{run.left():.0f} s left")
+    return cells
+
+
+ARMS = {"none": arm_none, "kvshare": arm_kvshare, "offload": arm_offload, "lmcache": arm_lmcache}
 
 
 # ---- report --------------------------------------------------------------------------------------------------------
@@ -633,6 +804,13 @@ def parse_args() -> argparse.Namespace:
                    choices=("OffloadingConnector", "SimpleCPUOffloadConnector"))
     p.add_argument("--offload-bytes", type=int, default=0, help="the offload connector's cpu_bytes_to_use "
                    "(default: 1.25 x the longest prompt's K/V + 1 GiB)")
+    p.add_argument("--lmcache-cpu-bytes", type=int, default=0, help="LMCache's max_local_cpu_size, in bytes (default: "
+                   "as the offload arm's, 1.25 x the longest prompt's K/V + 1 GiB)")
+    p.add_argument("--lmcache-server", choices=("lm", "none"), default="lm", help="lm: LMCache's lm:// cache server "
+                   "as the remote backend, for replica B's cross-replica load; none: replica A's same-replica part "
+                   "only")
+    p.add_argument("--lmcache-server-size", default="auto", help="what one lm:// server may hold (e.g. 64GiB); the "
+                   "prompts go in rounds that fit 85%% of it; auto: available memory - LMCache's CPU cache - 16 GiB")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="cpu: --kv-cache-memory-bytes")
     p.add_argument("--max-model-len", type=int, default=0, help="default: the longest prompt + max tokens, "
