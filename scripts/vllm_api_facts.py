@@ -4,6 +4,10 @@ Usage (from the repository root):
 
     python scripts/vllm_api_facts.py .vllm-carry/wheels/vllm-0.26.0-*.whl > tests/integrations/vllm_api_0_26.json
     python scripts/vllm_api_facts.py .venv-vllm/lib/python3.11/site-packages > tests/integrations/vllm_api_0_32.json
+    python scripts/vllm_api_facts.py .vllm-carry/wheels/vllm-0.33.0-*.whl > tests/integrations/vllm_api_0_33.json
+    python scripts/vllm_api_facts.py .vllm-carry/wheels/vllm-0.34.0-*.whl > tests/integrations/vllm_api_0_34.json
+
+(the 0.33 and 0.34 CUDA wheels: `pip download vllm==0.33.0 --no-deps -d .vllm-carry/wheels`, read, never installed.)
 
 SOURCE is a vllm wheel (a zip, read in place) or a folder that holds the `vllm` package. Nothing is imported or
 executed: each file is parsed. The JSON holds, per release: its version; for each class of base.py the connector uses,
