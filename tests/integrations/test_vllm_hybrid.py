@@ -200,14 +200,16 @@ def config(specs):
 
 attention = FullAttentionSpec(block_size=512, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
 window = SlidingWindowSpec(block_size=512, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, sliding_window=128)
-vllm_config = types.SimpleNamespace(cache_config=types.SimpleNamespace(enable_prefix_caching=True))
+cache = types.SimpleNamespace(enable_prefix_caching=True)
+vllm_config = types.SimpleNamespace(cache_config=cache, speculative_config=None)
+drafting = types.SimpleNamespace(cache_config=cache, speculative_config=types.SimpleNamespace(method="ngram"))
 cases = {"ok": ([mamba()] * 3 + [attention], 512), "chunk": ([mamba()] * 3 + [attention], 256),
          "none_mode": ([mamba("none")] * 3 + [attention], 512), "windows": ([attention, window], 512),
-         "plain": ([attention], 512)}
+         "plain": ([attention], 512), "speculative": ([mamba()] * 3 + [attention], 512)}
 out = {}
 for name, (specs, chunk) in cases.items():
     try:
-        groups = hybrid_groups(vllm_config, config(specs), chunk)
+        groups = hybrid_groups(drafting if name == "speculative" else vllm_config, config(specs), chunk)
         out[name] = None if groups is None else {"attention": groups.attention, "mamba": list(groups.mamba),
             "state": groups.state_layout.layout_id(), "nbytes": groups.state_layout.nbytes,
             "slices": [[s.layer, s.group, s.page_offset, s.nbytes] for s in groups.slices]}
@@ -236,3 +238,5 @@ def test_the_group_handling_against_vllms_spec_classes():
     assert '"chunk_tokens": 512' in out["chunk"] and out["chunk"].startswith("refused")
     assert "--mamba-cache-mode align" in out["none_mode"]
     assert "--disable-hybrid-kv-cache-manager" in out["windows"]
+    # refused from the speculative config, though its MambaSpecs say 0 speculative blocks (as under ReplaySSM)
+    assert out["speculative"].startswith("refused") and "--speculative-config" in out["speculative"]

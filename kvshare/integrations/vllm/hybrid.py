@@ -105,7 +105,8 @@ def _check_mamba(vllm_config: VllmConfig, specs: Sequence[MambaSpec]) -> None:
     if not cache.enable_prefix_caching or any(s.mamba_cache_mode != "align" for s in specs):
         raise ValueError("KVShareConnector shares hybrid models in vLLM's align mode: start vLLM with "
                          "--enable-prefix-caching --mamba-cache-mode align")
-    if any(s.num_speculative_blocks for s in specs):
+    # the speculative config itself, not only num_speculative_blocks: vLLM sets that to 0 under ReplaySSM
+    if vllm_config.speculative_config is not None or any(s.num_speculative_blocks for s in specs):
         raise ValueError("KVShareConnector does not share hybrid models' states with speculative decoding yet: "
                          "start vLLM without --speculative-config")
 
@@ -114,12 +115,11 @@ def _state_layout(layers: Sequence[tuple[int, str, MambaSpec]]) -> tuple[StateLa
     """The packed state of these mamba layers and where each part sits in a vLLM page and in the packed state."""
     parts, pages = [], []
     for position, name, spec in layers:
-        page_offset = 0
-        for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True):
+        offsets = compat.state_page_offsets(spec)  # vLLM 0.34 pads each part to MambaSpec.state_alignment
+        for shape, dtype, page_offset in zip(spec.shapes, spec.dtypes, offsets, strict=True):
             nbytes = prod(shape) * dtype.itemsize
             parts.append((tuple(shape), dtype))
             pages.append((name, position, page_offset, nbytes))
-            page_offset += nbytes
     layout = StateLayout.of_parts(parts)
     slices = [StateSlice(name, position, page_offset, part.offset, nbytes)
               for (name, position, page_offset, nbytes), part in zip(pages, layout.parts, strict=True)]
