@@ -844,7 +844,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--previous", type=Path, action="append", default=[], help="rows.jsonl of an earlier call "
                    "(its `none` answers are the references; its rows enter the report)")
-    p.add_argument("--work", type=Path, default=None, help="logs, sockets, the model (default: OUT/work on cuda, "
+    p.add_argument("--work", type=Path, default=None, help="logs, sockets, the model (default: OUT/procs on cuda, "
                    ".runs/vllm-cross-replica on cpu)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
@@ -862,7 +862,7 @@ def parse_args() -> argparse.Namespace:
     args.max_tokens = max(1, args.max_tokens)
     args.max_model_len = args.max_model_len or -(-(max(args.lengths) + args.max_tokens + 16) // 1024) * 1024
     args.max_num_batched_tokens = args.max_num_batched_tokens or (None if cuda else 4096)
-    args.work = args.work or (args.out / "work" if cuda else ROOT / ".runs" / "vllm-cross-replica")
+    args.work = args.work or (args.out / "procs" if cuda else ROOT / ".runs" / "vllm-cross-replica")
     return args
 
 
