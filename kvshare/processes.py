@@ -28,11 +28,22 @@ class NotReady(RuntimeError):
     """A process exited, or did not serve in time, while it was being started; the message has its log's tail."""
 
 
+_HANDED_OUT: set[int] = set()  # ports free_port gave this process: their servers may not have bound them yet
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on now and that this process was not given before. A port handed
+    out stays free until its server binds it, seconds later for a vLLM replica, so the OS may offer it again
+    meanwhile; two servers started together must not be given one port (CI once saw a replica's requests answered
+    by another replica)."""
+    for _ in range(1000):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no TCP port on 127.0.0.1 that this process was not given before")
 
 
 def kvshare_argv(*args: str) -> list[str]:
