@@ -103,6 +103,8 @@ from connectors_cpu import (  # noqa: E402
     wait_for,
 )
 
+from kvshare.units import parse_size  # noqa: E402
+
 CHUNK = 256  # kvshare's chunk_tokens
 LOCAL_HITS = "vllm:prefix_cache_hits_total"
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -373,7 +375,7 @@ def warm_prompt(args) -> list[int]:
 
 
 def serve_phase(run: Run, http, arm: str, role: str, kv_config: dict | None, cells: list[tuple[int, int]],
-                env: dict[str, str] | None = None, per_cell=None) -> list[tuple[int, int]]:
+                env: dict[str, str] | None = None, per_cell=None, before_stop=None) -> list[tuple[int, int]]:
     """One replica: start it and its router, the warm-up, `per_cell` (default: one request) for every cell the budget
     leaves room for, stop both. Returns the cells served."""
     hit = role in HIT_ROLES
@@ -406,13 +408,30 @@ def serve_phase(run: Run, http, arm: str, role: str, kv_config: dict | None, cel
             if any(r["error"] for r in rows) and not replica.process.alive():
                 raise RuntimeError(f"replica {replica.name} died: {last_error_line(replica.process)}")
         time.sleep(run.args.settle)  # the stores of the last answer finish after it
-        if kv_config is not None and kv_config["kv_connector"] == "KVShareConnector" and role == "A":
-            wait_for_stores(run, kv_config["kv_connector_extra_config"]["pool"], arm, role)
+        if before_stop is not None:  # e.g. kvshare's A: until the pool holds its stores
+            before_stop()
     finally:
         if router_process is not None:
             run.stop(router_process)
         run.stop(replica.process)
     return done
+
+
+def wait_until_still(run: Run, sample, busy=lambda sampled: False) -> tuple[float, list, bool]:
+    """Sample `sample()` (a value or a tuple) every 0.5 s until it has stood still, and `busy(it)` has been false,
+    for --store-quiet seconds, at most --store-timeout. Returns (seconds until it last changed or was busy, the
+    timeline of (t, *sample), timed out). The one wait for "the stores have landed", read on the pool (kvshare) or
+    on the lm:// server (LMCache)."""
+    started, last, still_since, timeline = time.monotonic(), object(), time.monotonic(), []
+    while True:
+        sampled = sample()
+        now = time.monotonic()
+        timeline.append((round(now - started, 2), *(sampled if isinstance(sampled, tuple) else (sampled,))))
+        if sampled != last or busy(sampled):
+            last, still_since = sampled, now
+        if now - still_since >= run.args.store_quiet or now - started >= run.args.store_timeout:
+            return round(still_since - started, 2), timeline, now - started >= run.args.store_timeout
+        time.sleep(0.5)
 
 
 def wait_for_stores(run: Run, pool: str, arm: str, role: str) -> None:
@@ -424,22 +443,17 @@ def wait_for_stores(run: Run, pool: str, arm: str, role: str) -> None:
     (bytes committed every 0.5 s) go into the rows, since how fast A's stores land is itself a result."""
     from kvshare.pool.client import read_stats
 
-    started, last, still_since, timeline = time.monotonic(), None, time.monotonic(), []
-    while True:
+    def committed() -> tuple[int, int]:
         stats = read_stats(pool)
-        now = time.monotonic()
-        timeline.append((round(now - started, 2), stats.bytes_committed_total, stats.write_leases))
-        if stats.bytes_committed_total != last or stats.write_leases:
-            last, still_since = stats.bytes_committed_total, now
-        if now - still_since >= run.args.store_quiet or now - started >= run.args.store_timeout:
-            break
-        time.sleep(0.5)
-    waited = round(still_since - started, 2)
+        return stats.bytes_committed_total, stats.write_leases
+
+    # an open write lease keeps the wait going: its COMMIT is still to come
+    waited, timeline, timed_out = wait_until_still(run, committed, busy=lambda sampled: sampled[1] > 0)
     print(f"  {arm} {role}: stores settled {waited} s after the last answer's settle "
-          f"({(last or 0) / 2**20:.0f} MiB committed since the pool started)", flush=True)
+          f"({timeline[-1][1] / 2**20:.0f} MiB committed since the pool started)", flush=True)
     run.record({"kind": "stores", "arm": arm, "role": role, "repeat": 0, "length": 0, "ttft_s": None,
-                     "latency_s": None, "store_settle_s": waited, "commit_timeline": timeline, "error": "",
-                     "timed_out": now - started >= run.args.store_timeout})
+                "latency_s": None, "store_settle_s": waited, "commit_timeline": timeline,
+                "error": "", "timed_out": timed_out})
 
 
 def arm_none(run: Run, http, cells) -> None:
@@ -485,18 +499,13 @@ def arm_kvshare(run: Run, http, cells) -> None:
         run.meta["kv_transfer_config"]["kvshare"] = config
         for i, round_cells in enumerate(pool_rounds(run, cells)):
             # B must have room too: A's phase only if both fit (B's requests are loads, its start a full start)
-            need = 2 * run.start_estimate() + sum(run.request_estimate(n, False) + run.request_estimate(n, True)
-                                                  for n, _ in round_cells)
-            while round_cells and not run.fits(need):
-                dropped = round_cells.pop()
-                run.skip("kvshare", "A+B", f"{dropped[0]} tokens rep {dropped[1]}",
-                         f"budget: A then B need ~{need:.0f} s, {run.left():.0f} s left")
-                need = 2 * run.start_estimate() + sum(run.request_estimate(n, False) + run.request_estimate(n, True)
-                                                      for n, _ in round_cells)
+            round_cells = within_budget(run, "kvshare", round_cells, lambda cells: 2 * run.start_estimate() + sum(
+                run.request_estimate(n, False) + run.request_estimate(n, True) for n, _ in cells))
             if not round_cells:
                 continue
             print(f"kvshare round {i}: {round_cells}", flush=True)
-            stored = serve_phase(run, http, "kvshare", "A", config, round_cells)
+            stored = serve_phase(run, http, "kvshare", "A", config, round_cells,
+                                 before_stop=lambda: wait_for_stores(run, str(sock), "kvshare", "A"))
             serve_phase(run, http, "kvshare", "B", config, stored)
     finally:
         run.stop(pool)
@@ -578,22 +587,16 @@ def wait_for_server(run: Run, server: Process, length: int, rep: int) -> None:
     sends a chunk to its remote backend in the background (remote_backend.py: a coroutine on its own event loop)
     after storing it locally, and its server answers no question that counts them, but it grows by each chunk it
     receives. A must not stop before the last one lands."""
-    started, last, still_since, timeline = time.monotonic(), -1, time.monotonic(), []
-    while True:
+    def rss() -> int:
         if not server.alive():
             raise RuntimeError(f"LMCache's lm:// server exited: {last_error_line(server)}")
-        now, rss = time.monotonic(), rss_bytes(server.popen.pid)
-        timeline.append((round(now - started, 2), rss))
-        if rss != last:
-            last, still_since = rss, now
-        if now - still_since >= run.args.store_quiet or now - started >= run.args.store_timeout:
-            break
-        time.sleep(0.5)
-    timed_out = now - started >= run.args.store_timeout
-    print(f"  lmcache store {length} rep {rep}: the lm:// server stood still {still_since - started:.1f} s after "
-          f"the answer at {last / 2**30:.1f} GiB" + (" (timed out)" if timed_out else ""), flush=True)
+        return rss_bytes(server.popen.pid)
+
+    waited, timeline, timed_out = wait_until_still(run, rss)
+    print(f"  lmcache store {length} rep {rep}: the lm:// server stood still {waited:.1f} s after "
+          f"the answer at {timeline[-1][1] / 2**30:.1f} GiB" + (" (timed out)" if timed_out else ""), flush=True)
     run.record({"kind": "lmcache-server", "arm": "lmcache", "role": "store", "repeat": rep, "length": length,
-                "ttft_s": None, "latency_s": None, "store_settle_s": round(still_since - started, 2),
+                "ttft_s": None, "latency_s": None, "store_settle_s": waited,
                 "rss_timeline": timeline, "error": "", "timed_out": timed_out})
 
 
@@ -655,20 +658,22 @@ def arm_lmcache(run: Run, http, cells) -> None:
 
 
 def lmcache_round_in_budget(run: Run, cells) -> list[tuple[int, int]]:
-    """The round's cells less the last ones while A (compute, settle, hit) then B (load) would not fit the budget;
-    each prompt's K/V crosses the lm:// server twice (A's puts, B's gets) at about LM_SERVER_GBPS."""
-    cells = list(cells)
+    """The round's cells that A (compute, settle, hit) then B (load) fit in the budget; each prompt's K/V crosses the
+    lm:// server twice (A's puts, B's gets) at about LM_SERVER_GBPS."""
     kvb = run.meta["kv_bytes_per_token"]
+    return within_budget(run, "lmcache", cells, lambda cells: 2 * run.start_estimate() + sum(
+        run.request_estimate(n, False) + 2 * run.request_estimate(n, True) + run.args.store_quiet
+        + 2 * n * kvb / (LM_SERVER_GBPS * 1e9) for n, _ in cells))
 
-    def need() -> float:
-        return 2 * run.start_estimate() + sum(run.request_estimate(n, False) + 2 * run.request_estimate(n, True)
-                                              + run.args.store_quiet + 2 * n * kvb / (LM_SERVER_GBPS * 1e9)
-                                              for n, _ in cells)
 
-    while cells and not run.fits(need()):
+def within_budget(run: Run, arm: str, cells, need) -> list[tuple[int, int]]:
+    """`cells` less the last ones, each skipped with its reason, while `need(cells)` seconds (an A-then-B phase)
+    would not fit the budget."""
+    cells = list(cells)
+    while cells and not run.fits(need(cells)):
         length, rep = cells.pop()
-        run.skip("lmcache", "A+B", f"{length} tokens rep {rep}", f"budget: A then B need ~{need():.0f} s, "
-                 f"{run.left():.0f} s left")
+        run.skip(arm, "A+B", f"{length} tokens rep {rep}", f"budget: A then B need ~{need(cells + [(length, rep)]):.0f}"
+                 f" s, {run.left():.0f} s left")
     return cells
 
 
@@ -864,14 +869,6 @@ def parse_args() -> argparse.Namespace:
     args.max_num_batched_tokens = args.max_num_batched_tokens or (None if cuda else 4096)
     args.work = args.work or (args.out / "procs" if cuda else ROOT / ".runs" / "vllm-cross-replica")
     return args
-
-
-def parse_size(text: str) -> int:
-    units = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-    for unit, scale in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * scale)
-    return int(text)
 
 
 def bundle_logs(work: Path, out: Path) -> None:
