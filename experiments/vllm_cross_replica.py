@@ -491,7 +491,7 @@ def arm_kvshare(run: Run, http, cells) -> None:
                      s.env())
     try:
         wait_for(sock.exists, 120, "kvshare pool", pool)
-        extra = {"pool": str(sock), "chunk_tokens": CHUNK}
+        extra = {"pool": str(sock), "chunk_tokens": CHUNK, **run.args.kvshare_config}
         if s.load_format == "dummy":
             extra["model_id"] = f"dummy-weights-{s.served_name}"  # no weight files to name the weights by
         config = {"kv_connector": "KVShareConnector", "kv_connector_module_path": "kvshare.integrations.vllm",
@@ -805,6 +805,8 @@ def parse_args() -> argparse.Namespace:
                    " (run in this order; `none` gives the references, so it goes first)")
     p.add_argument("--pool-size", default="auto", help="kvshare pool arena (e.g. 96GiB); auto: every prompt's K/V "
                    "+ the warm-up's, / 0.85, at least 1 GiB")
+    p.add_argument("--kvshare-config", type=json.loads, default={}, help="JSON merged into kvshare's "
+                   "kv_connector_extra_config (e.g. '{\"stream_priority\": \"high\"}'; default: none)")
     p.add_argument("--offload-connector", default="OffloadingConnector",
                    choices=("OffloadingConnector", "SimpleCPUOffloadConnector"))
     p.add_argument("--offload-bytes", type=int, default=0, help="the offload connector's cpu_bytes_to_use "
@@ -860,6 +862,8 @@ def parse_args() -> argparse.Namespace:
     if unknown:
         p.error(f"unknown arms {unknown}: use {','.join(ARMS)}")
     args.arms.sort(key=lambda a: a != "none")  # references first
+    if not isinstance(args.kvshare_config, dict):
+        p.error("--kvshare-config: a JSON object, e.g. '{\"stream_priority\": \"high\"}'")
     args.vllm_python = args.vllm_python or ("python3" if cuda else str(ROOT / ".venv-vllm" / "bin" / "python"))
     args.preset = args.preset or (None if args.model else ("qwen2.5-32b" if cuda else "tiny"))
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
