@@ -711,8 +711,11 @@ def summarise(run: Run) -> dict:
                 "first_token_equal": sum(1 for r in compared if r["first_token_equal"]),
                 "speedup_vs_none": statistics.median(off) / median if off and median else None,
                 "floor_s": floor, "kv_bytes": length * kvb})
-    stores = [{k: r[k] for k in ("arm", "role", "store_settle_s", "timed_out")}
-              for r in [*run.previous, *run.rows] if r["kind"] == "stores"]
+    # each stores row with the bytes its pool held at the end (a --previous call's rows are told apart by them)
+    stores = [{**{k: r[k] for k in ("arm", "role", "store_settle_s", "timed_out")},
+               "committed_bytes": r["commit_timeline"][-1][1] if r.get("commit_timeline") else None,
+               "previous": i < len(run.previous)}
+              for i, r in enumerate([*run.previous, *run.rows]) if r["kind"] == "stores"]
     return {**run.meta, "seconds": round(time.monotonic() - run.started), "cells": cells, "stores": stores,
             "skipped": run.skipped,
             "arm_failures": run.arm_failures, "rows": len(run.rows), "previous_rows": len(run.previous)}
@@ -755,8 +758,10 @@ def write_report(run: Run) -> dict:
             ""]
     text.append(table(summary))
     for st in summary["stores"]:
-        text += ["", f"- {st['arm']} {st['role']}: its stores settled {st['store_settle_s']} s after its last answer "
-                 f"(--settle, then the pool's committed bytes still for --store-quiet)"
+        held = "" if st.get("committed_bytes") is None else f", {st['committed_bytes'] / 2**20:.0f} MiB committed"
+        text += ["", f"- {st['arm']} {st['role']}" + (" (a --previous call)" if st.get("previous") else "")
+                 + f": its stores settled {st['store_settle_s']} s after its last answer "
+                 f"(--settle, then the pool's committed bytes still for --store-quiet{held})"
                  + (" - **timed out** (--store-timeout)" if st["timed_out"] else "")
                  + "; the commit timeline is in rows.jsonl"]
     if summary["arm_failures"]:

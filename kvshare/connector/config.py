@@ -25,7 +25,7 @@ class ConnectorConfig:
     register_ahead: bool = True  # all pieces from the start; False: only pieces a transfer touches (hostmem.py)
     stream_priority: str = "normal"  # CUDA replicas: "high" runs the transfer's side streams (gathers, scatters,
     # DMA, hashes) at the device's highest stream priority, so a store overlapping a long prefill is not starved by
-    # its kernels (TransferOptions.stream_priority; not yet measured: h200_store_under_load.py)
+    # its kernels (TransferOptions.stream_priority; on the H200 stores kept up at "normal" too, so it is the default)
     load_waves: int = 1  # a hit loads in this many layer waves, the forward reading each layer once that layer has
     # landed (kvshare.transfer.waves); 1: the whole load before the forward. 1 here, for vLLM, whose CUDA forward
     # with waves could not be measured (vLLM for CUDA cannot be installed on the test GPU); `kvshare serve` defaults
