@@ -94,7 +94,6 @@ from connectors_cpu import (  # noqa: E402
     Replica,
     Reply,
     complete,
-    counter_total,
     free_port,
     last_error_line,
     machine,
@@ -107,6 +106,15 @@ from kvshare.units import parse_size  # noqa: E402
 
 CHUNK = 256  # kvshare's chunk_tokens
 LOCAL_HITS = "vllm:prefix_cache_hits_total"
+# Where a request's time went, from the replica's /metrics around it (sums of vLLM's per-request histograms, recorded
+# when the request finishes, and the connector's counters; kvshare's only on kvshare replicas): row field -> series
+TIMELINE = {"vllm_ttft_s": "vllm:time_to_first_token_seconds_sum",
+            "vllm_queue_s": "vllm:request_queue_time_seconds_sum",
+            "vllm_prefill_s": "vllm:request_prefill_time_seconds_sum",
+            "kvshare_load_s": "kvshare_pool_load_seconds_total",
+            "kvshare_load_bytes": "kvshare_pool_load_bytes_total",
+            "kvshare_lookups": "kvshare_pool_lookups_total"}
+FINISHED = "vllm:request_prefill_time_seconds_count"  # grows by one once vLLM has recorded the request's times
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # The rows the table shows, in order: (arm, role) -> label
 SHOWN = {("none", "ref"): "none (recompute)", ("kvshare", "B"): "kvshare B (cross-replica load)",
@@ -307,20 +315,21 @@ class Run:
         # a fresh client each request: its read timeout (the wait for the first token) ends within the budget
         bounded = httpx.Client(timeout=httpx.Timeout(max(5.0, min(self.args.request_timeout, self.left() - 5)),
                                                      connect=5), trust_env=False)
-        before = local_hits(http, replica.url)
+        before = metrics_snapshot(http, replica.url)
         with bounded:
             reply: Reply = complete(bounded, replica, self.settings.served_name, prompt, self.settings.max_tokens,
                                     via=router)
-        after = local_hits(http, replica.url)
+        after = metrics_snapshot(http, replica.url, recorded_after=before)
         ref = self.reference(length, rep) if kind == "measured" and (arm, role) != ("none", "ref") else None
         exact = first = None
         if ref is not None and not reply.error:
             exact, first = reply.token_ids == ref["tokens"], reply.token_ids[:1] == ref["tokens"][:1]
         row = {"kind": kind, "arm": arm, "role": role, "repeat": rep, "length": length, "ttft_s": reply.ttft_s,
                "latency_s": reply.latency_s, "external_hit_tokens": reply.external_hits,
-               "local_hit_tokens": None if before is None or after is None else after - before,
+               "local_hit_tokens": grown(before, after, LOCAL_HITS),
                "exact": exact, "first_token_equal": first, "error": reply.error, "tokens": reply.token_ids,
-               "t_s": round(time.monotonic() - self.started, 1)}
+               "t_s": round(time.monotonic() - self.started, 1),
+               **{field: grown(before, after, series) for field, series in TIMELINE.items()}}
         if reply.error and not replica.process.alive():
             row["error"] += f" (replica died: {last_error_line(replica.process)})"
         self.record(row)
@@ -348,9 +357,36 @@ def tidy(text: str) -> str:
     return text.replace(str(ROOT) + os.sep, "").replace(str(ROOT), ".")
 
 
-def local_hits(http: httpx.Client, url: str) -> float | None:
-    """vLLM's own (GPU) prefix-cache hits so far."""
-    return counter_total(http, url, LOCAL_HITS)
+def metrics_snapshot(http: httpx.Client, url: str, recorded_after: dict | None = None) -> dict[str, float]:
+    """The series the rows use (LOCAL_HITS, TIMELINE, FINISHED), each summed over its labels, from one GET /metrics
+    ({} if unreadable). With `recorded_after` (the snapshot before a request) it waits, at most 2 s, until vLLM
+    has recorded one more finished request: its output loop records a finished request's times after it has sent
+    the last token, so a scrape right after the answer may come before them."""
+    wanted = (LOCAL_HITS, FINISHED, *TIMELINE.values())
+    deadline = time.monotonic() + 2.0
+    while True:
+        try:
+            response = http.get(f"{url}/metrics", timeout=10)
+        except httpx.HTTPError:
+            return {}
+        if response.status_code != 200:
+            return {}
+        totals: dict[str, float] = {}
+        for line in response.text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in wanted:
+                totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        done = recorded_after is None or totals.get(FINISHED, 0.0) > recorded_after.get(FINISHED, 0.0)
+        if done or time.monotonic() > deadline:
+            return totals
+        time.sleep(0.05)
+
+
+def grown(before: dict, after: dict, series: str) -> float | None:
+    """How much `series` grew over a request (None where the replica does not export it)."""
+    if series not in before or series not in after:
+        return None
+    return after[series] - before[series]
 
 
 def reset_prefix_cache(http: httpx.Client, url: str, timeout: float = 60.0) -> bool:
@@ -710,7 +746,8 @@ def summarise(run: Run) -> dict:
                 "answers_equal": sum(1 for r in compared if r["exact"]), "answers_compared": len(compared),
                 "first_token_equal": sum(1 for r in compared if r["first_token_equal"]),
                 "speedup_vs_none": statistics.median(off) / median if off and median else None,
-                "floor_s": floor, "kv_bytes": length * kvb})
+                "floor_s": floor, "kv_bytes": length * kvb,
+                "timeline": {field: median_of(mine, field) for field in TIMELINE}})
     # each stores row with the bytes its pool held at the end (a --previous call's rows are told apart by them)
     stores = [{**{k: r[k] for k in ("arm", "role", "store_settle_s", "timed_out")},
                "committed_bytes": r["commit_timeline"][-1][1] if r.get("commit_timeline") else None,
@@ -719,6 +756,30 @@ def summarise(run: Run) -> dict:
     return {**run.meta, "seconds": round(time.monotonic() - run.started), "cells": cells, "stores": stores,
             "skipped": run.skipped,
             "arm_failures": run.arm_failures, "rows": len(run.rows), "previous_rows": len(run.previous)}
+
+
+def median_of(rows: list[dict], field: str) -> float | None:
+    values = [r[field] for r in rows if r.get(field) is not None]
+    return statistics.median(values) if values else None
+
+
+def timeline_table(summary: dict) -> str:
+    """Where the median request's TTFT went, for the rows that load (HIT_ROLES): outside vLLM (router, HTTP,
+    streaming), vLLM's queue (waiting; a connector's asynchronous load counts here) and prefill (the forward, with
+    a synchronous load inside it), and of that the seconds kvshare's loads took (start -> copies verified)."""
+    lines = ["| length | arm | TTFT (s) | outside vLLM (s) | vLLM queue (s) | vLLM prefill (s) | kvshare load (s) | "
+             "loaded GB/s | floor (s) |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for c in summary["cells"]:
+        t = c.get("timeline") or {}
+        if c["role"] not in HIT_ROLES or t.get("vllm_ttft_s") is None:
+            continue
+        outside = None if c["median_ttft_s"] is None else c["median_ttft_s"] - t["vllm_ttft_s"]
+        rate = (t["kvshare_load_bytes"] / t["kvshare_load_s"] / 1e9 if t.get("kvshare_load_s") and
+                t.get("kvshare_load_bytes") else None)
+        lines.append(f"| {c['length']} | {c['label']} | {fmt(c['median_ttft_s'])} | {fmt(outside)} | "
+                     f"{fmt(t.get('vllm_queue_s'))} | {fmt(t.get('vllm_prefill_s'))} | {fmt(t.get('kvshare_load_s'))} "
+                     f"| {fmt(rate, 1)} | {fmt(c['floor_s'])} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def fmt(x: float | None, digits: int = 3) -> str:
@@ -757,6 +818,11 @@ def write_report(run: Run) -> dict:
             f"`kvshare route`; answers equal = the same greedy token ids as the `none` arm's answer",
             ""]
     text.append(table(summary))
+    timeline = timeline_table(summary)
+    if timeline:
+        text += ["", "Where a hit's time went (medians; from each replica's /metrics around the request: vLLM's "
+                 "per-request histograms and kvshare's counters, so \"outside vLLM\" is TTFT less vLLM's own):", "",
+                 timeline]
     for st in summary["stores"]:
         held = "" if st.get("committed_bytes") is None else f", {st['committed_bytes'] / 2**20:.0f} MiB committed"
         text += ["", f"- {st['arm']} {st['role']}" + (" (a --previous call)" if st.get("previous") else "")
