@@ -36,6 +36,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,6 +206,8 @@ class Registration:
         self._workers: list[threading.Thread] = []
         self._closed = False
         self._all_done = False  # set once every piece is registered: ensure() is then one attribute read
+        self._created = time.monotonic()
+        self._told = False  # the "all registered" line is logged once (the last piece's thread logs it)
 
     def span(self, piece: int) -> tuple[int, int]:
         """(address, bytes) of `piece`."""
@@ -253,6 +256,21 @@ class Registration:
             future.set_result(None)
         except BaseException as error:  # the claim carries it to every waiter, now and later
             future.set_exception(error)
+            return
+        self._tell_if_all_registered()
+
+    def _tell_if_all_registered(self) -> None:
+        """Log, once, when the last piece is registered: a replica's log then says when loads stop waiting for
+        registration (a transfer before that may wait for its pieces, and its time includes theirs)."""
+        with self._lock:
+            if self._told or len(self._claims) < self.pieces.count:
+                return
+            if not all(f.done() and f.exception() is None for f in self._claims.values()):
+                return
+            self._told = True
+        nbytes = sum(self.span(p)[1] for p in range(self.pieces.count))
+        log.info("arena registered for DMA: %.1f GiB in %d pieces, %.1f s after this view's registration began",
+                 nbytes / 2**30, self.pieces.count, time.monotonic() - self._created)
 
     def _work(self) -> None:
         while True:

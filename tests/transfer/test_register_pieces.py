@@ -117,6 +117,26 @@ def test_a_failed_piece_raises_in_every_transfer_that_needs_it():
     assert recorder.unregistered == [BASE]  # only what was registered is unregistered
 
 
+def test_the_arena_is_logged_registered_once_and_only_when_every_piece_is(caplog):
+    """The replica's log says when loads stop waiting for registration: one line, after the last piece (many
+    threads finish pieces), and none where a piece failed."""
+    caplog.set_level("INFO", logger="kvshare.transfer")
+    reg = registration(40, 2, Recorder(slow=0.005), threads=4).start()
+    reg.wait_all()
+    told = [r.message for r in caplog.records if "arena registered" in r.message]
+    assert len(told) == 1 and "in 20 pieces" in told[0] and f"{40 * PAGE / 2**30:.1f} GiB" in told[0]
+    reg.wait_all()  # nothing more to register: no second line
+    assert len([r for r in caplog.records if "arena registered" in r.message]) == 1
+    reg.close()
+
+    caplog.clear()
+    broken = registration(8, 4, Recorder(broken=frozenset({4})))
+    with pytest.raises(RuntimeError, match="cannot pin"):
+        broken.wait_all()
+    assert not [r for r in caplog.records if "arena registered" in r.message]
+    broken.close()
+
+
 def test_a_copy_plan_never_crosses_a_piece_and_is_byte_exact():
     """A chunk of 4 adjacent, fully used pages [3, 7) in an arena cut into pieces of 2 pages: its copies are cut at
     pages 4 and 6, and carrying them out (staging -> arena, as a store's DMA does) writes exactly the packed chunk."""
