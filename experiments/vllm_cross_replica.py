@@ -414,9 +414,11 @@ def warm_prompt(args) -> list[int]:
 
 
 def serve_phase(run: Run, http, arm: str, role: str, kv_config: dict | None, cells: list[tuple[int, int]],
-                env: dict[str, str] | None = None, per_cell=None, before_stop=None) -> list[tuple[int, int]]:
-    """One replica: start it and its router, the warm-up, `per_cell` (default: one request) for every cell the budget
-    leaves room for, stop both. Returns the cells served."""
+                env: dict[str, str] | None = None, per_cell=None, before_stop=None,
+                after_start=None) -> list[tuple[int, int]]:
+    """One replica: start it and its router, `after_start(replica)` (e.g. kvshare's: until its arena is registered),
+    the warm-up, `per_cell` (default: one request) for every cell the budget leaves room for, stop both. Returns the
+    cells served."""
     hit = role in HIT_ROLES
     if not run.fits(run.start_estimate()):
         run.skip(arm, role, "replica start", f"budget: {run.left():.0f} s left")
@@ -426,6 +428,8 @@ def serve_phase(run: Run, http, arm: str, role: str, kv_config: dict | None, cel
     done: list[tuple[int, int]] = []
     try:
         router_process, router = run.start_router(replica)
+        if after_start is not None:
+            after_start(replica)
         warm = warm_prompt(run.args)
         for attempt in ("warm", "warm-hit") if per_cell is not None else ("warm",):
             row = run.ask(http, replica, router, warm, "warmup", arm, role, len(warm), 0)
@@ -471,6 +475,32 @@ def wait_until_still(run: Run, sample, busy=lambda sampled: False) -> tuple[floa
         if now - still_since >= run.args.store_quiet or now - started >= run.args.store_timeout:
             return round(still_since - started, 2), timeline, now - started >= run.args.store_timeout
         time.sleep(0.5)
+
+
+REGISTERED = "arena registered for DMA"  # kvshare.transfer.hostmem's line once every piece is registered
+
+
+def wait_for_registration(run: Run, replica: Replica, arm: str, role: str) -> None:
+    """On CUDA, until the replica's log says its connector registered the whole pool arena for DMA (at most
+    --register-timeout). The connector registers in the background from when it attaches, and a transfer waits
+    for its own pieces. A request measured before the last piece would count pinning: in call 2 (2026-12-03)
+    A's stores stalled ~10 s in the middle of its 128k prefill, while a 48.5 GiB arena still registered after a
+    fast start. The wait is added to the replica's start time, and it is recorded as a row."""
+    if run.settings.device != "cuda":
+        return
+    started = time.monotonic()
+    found = False
+    while time.monotonic() - started < run.args.register_timeout and replica.process.alive():
+        if REGISTERED in replica.process.log_path.read_text(errors="replace"):
+            found = True
+            break
+        time.sleep(0.5)
+    waited = round(time.monotonic() - started, 2)
+    run.start_seconds[-1] += waited  # the next start estimate includes it
+    print(f"  {arm} {role}: arena " + (f"registered {waited} s after the replica was ready" if found else
+          f"NOT registered after {waited} s (--register-timeout): its first loads may wait for pinning"), flush=True)
+    run.record({"kind": "registration", "arm": arm, "role": role, "repeat": 0, "length": 0, "ttft_s": None,
+                "latency_s": None, "register_wait_s": waited, "error": "", "timed_out": not found})
 
 
 def wait_for_stores(run: Run, pool: str, arm: str, role: str) -> None:
@@ -544,8 +574,10 @@ def arm_kvshare(run: Run, http, cells) -> None:
                 continue
             print(f"kvshare round {i}: {round_cells}", flush=True)
             stored = serve_phase(run, http, "kvshare", "A", config, round_cells,
-                                 before_stop=lambda: wait_for_stores(run, str(sock), "kvshare", "A"))
-            serve_phase(run, http, "kvshare", "B", config, stored)
+                                 before_stop=lambda: wait_for_stores(run, str(sock), "kvshare", "A"),
+                                 after_start=lambda replica: wait_for_registration(run, replica, "kvshare", "A"))
+            serve_phase(run, http, "kvshare", "B", config, stored,
+                        after_start=lambda replica: wait_for_registration(run, replica, "kvshare", "B"))
     finally:
         run.stop(pool)
         arena.unlink(missing_ok=True)
@@ -753,7 +785,10 @@ def summarise(run: Run) -> dict:
                "committed_bytes": r["commit_timeline"][-1][1] if r.get("commit_timeline") else None,
                "previous": i < len(run.previous)}
               for i, r in enumerate([*run.previous, *run.rows]) if r["kind"] == "stores"]
+    registrations = [{k: r[k] for k in ("arm", "role", "register_wait_s", "timed_out")}
+                     for r in run.rows if r["kind"] == "registration"]
     return {**run.meta, "seconds": round(time.monotonic() - run.started), "cells": cells, "stores": stores,
+            "registrations": registrations,
             "skipped": run.skipped,
             "arm_failures": run.arm_failures, "rows": len(run.rows), "previous_rows": len(run.previous)}
 
@@ -830,6 +865,11 @@ def write_report(run: Run) -> dict:
                  f"(--settle, then the pool's committed bytes still for --store-quiet{held})"
                  + (" - **timed out** (--store-timeout)" if st["timed_out"] else "")
                  + "; the commit timeline is in rows.jsonl"]
+    for reg in summary["registrations"]:
+        text += ["", f"- {reg['arm']} {reg['role']}: its connector had the pool arena registered for DMA "
+                 f"{reg['register_wait_s']} s after the replica was ready (waited before the warm-up)"
+                 + (" - **not registered** within --register-timeout: its first loads may include pinning"
+                    if reg["timed_out"] else "")]
     if summary["arm_failures"]:
         text += ["", "Arms skipped (each failed where it stands, with the first error vLLM logged):", ""]
         text += [f"- {arm}: {why}" for arm, why in summary["arm_failures"].items()]
@@ -922,6 +962,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--store-quiet", type=float, default=3.0, help="seconds the pool's committed bytes must stand "
                    "still, with no write lease open, before replica A counts as stored and stops")
     p.add_argument("--store-timeout", type=float, default=120.0, help="seconds A waits at most for its stores")
+    p.add_argument("--register-timeout", type=float, default=120.0, help="cuda: seconds a kvshare replica waits at "
+                   "most, once ready, for its connector to have registered the whole pool arena (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--previous", type=Path, action="append", default=[], help="rows.jsonl of an earlier call "
                    "(its `none` answers are the references; its rows enter the report)")
