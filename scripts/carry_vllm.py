@@ -23,6 +23,7 @@ import tarfile
 import tempfile
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 VLLM_VERSION = "0.26.0"
@@ -666,15 +667,20 @@ def cmd_install(args: argparse.Namespace) -> None:
     shutil.rmtree(wdir, ignore_errors=True)  # the pieces stay, so install can run again
     print(f"installed into {site}; {time.monotonic() - t0:.1f} s")
     host_report(manifest, site, py)
-    ok, version, said = check_import(site, py, VLLM_IMPORTS)
+    lmcache = bool(manifest.get("lmcache"))
+    # The two import checks run side by side (each a fresh Python, ~30-50 s on the H200 host, mostly imports):
+    # the call then waits for the longer, not their sum.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        lmcache_check = pool.submit(check_lmcache, site, py) if lmcache else None
+        ok, version, said = check_import(site, py, VLLM_IMPORTS)
+        lmcache_result = lmcache_check.result() if lmcache_check is not None else None
     if not ok:
         die(f"`import vllm, vllm.entrypoints.openai.api_server` fails with PYTHONPATH={site}:"
             f"\n{said[-2500:]}\nthe last line names the missing module: carry it as a wheel too (prepare's list)")
-    lmcache = bool(manifest.get("lmcache"))
     print(f"vllm {version} imports, vllm.entrypoints.openai.api_server too; {time.monotonic() - t0:.1f} s"
           + ("" if lmcache else " in all"))
-    if lmcache:
-        ok, said = check_lmcache(site, py)
+    if lmcache_result is not None:
+        ok, said = lmcache_result
         if not ok:
             die(f"`import {', '.join(LMCACHE_IMPORTS)}` fails with PYTHONPATH={site}:\n{said}\nthe last line names"
                 " what is missing: if LMCACHE_LEFT_OUT in scripts/carry_vllm.py names it, take it off that list and"
