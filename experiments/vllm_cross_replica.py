@@ -915,6 +915,9 @@ def parse_args() -> argparse.Namespace:
                        "(default: qwen2.5-32b on cuda, tiny on cpu)")
     p.add_argument("--lengths", default="32768,131072", help="prompt lengths in tokens")
     p.add_argument("--reps", type=int, default=2, help="prompts per length (each a fresh random one)")
+    p.add_argument("--first-rep", type=int, default=0, help="the first prompt's number: a later call with --reps 1 "
+                   "--first-rep 1 asks the second prompt of each length, whose none answer an earlier call's rows "
+                   "(--previous) hold (default: %(default)s)")
     p.add_argument("--arms", default="none,kvshare,offload", help="comma-separated, of " + ",".join(ARMS) +
                    " (run in this order; `none` gives the references, so it goes first)")
     p.add_argument("--pool-size", default="auto", help="kvshare pool arena (e.g. 96GiB); auto: every prompt's K/V "
@@ -985,6 +988,8 @@ def parse_args() -> argparse.Namespace:
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     args.warmup_len = args.warmup_len or (4096 if cuda else 512)
     args.max_tokens = max(1, args.max_tokens)
+    if args.reps < 1 or args.first_rep < 0:
+        p.error("--reps must be >= 1 and --first-rep >= 0")
     args.max_model_len = args.max_model_len or -(-(max(args.lengths) + args.max_tokens + 16) // 1024) * 1024
     args.max_num_batched_tokens = args.max_num_batched_tokens or (None if cuda else 4096)
     args.work = args.work or (args.out / "procs" if cuda else ROOT / ".runs" / "vllm-cross-replica")
@@ -1028,7 +1033,7 @@ def main() -> None:
                         args.max_model_len, args.max_tokens, args.gpu_memory_utilization, args.kv_cache_bytes,
                         args.max_num_batched_tokens, not args.compile, args.work.resolve())
     kvb = kv_bytes_per_token(model, args.dtype)
-    cells = [(length, rep) for rep in range(args.reps) for length in args.lengths]
+    cells = [(length, rep) for rep in range(args.first_rep, args.first_rep + args.reps) for length in args.lengths]
     need = (sum(length for length, _ in cells) + args.warmup_len) * kvb
     pool_bytes = max(1 << 30, int(need / 0.85) + (256 << 20)) if args.pool_size == "auto" else \
         parse_size(args.pool_size)
@@ -1039,7 +1044,8 @@ def main() -> None:
             "command": "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
             "started_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "machine": m,
             "packages": package_versions(args.vllm_python), "arms": args.arms, "lengths": args.lengths,
-            "reps": args.reps, "budget_s": args.budget, "pool_bytes": pool_bytes, "warmup_len": args.warmup_len,
+            "reps": args.reps, "first_rep": args.first_rep, "budget_s": args.budget, "pool_bytes": pool_bytes,
+            "warmup_len": args.warmup_len,
             "max_model_len": args.max_model_len, "enforce_eager": not args.compile,
             "gpu_memory_utilization": args.gpu_memory_utilization if args.device == "cuda" else None,
             "kv_transfer_config": {}, "platform": platform.platform()}
