@@ -74,17 +74,27 @@ class Settings:
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 
 
-def counter_total(http: httpx.Client, base_url: str, name: str) -> float | None:
-    """A counter of the replica's /metrics summed over its labels (None if unreadable), as
-    kvshare.bench.server_metrics reads them; kept here so that the benchmark runs against any revision of the
-    package."""
+def counter_totals(http: httpx.Client, base_url: str, names) -> dict[str, float]:
+    """Each of `names` (series of the replica's /metrics) summed over its labels, from one GET; a name the replica
+    does not export is absent, and an unreadable /metrics gives {}. As kvshare.bench.server_metrics reads them;
+    kept here so that the benchmark runs against any revision of the package."""
     try:
         response = http.get(f"{base_url}/metrics", timeout=10)
     except httpx.HTTPError:
-        return None
-    values = [float(line.rsplit(" ", 1)[1]) for line in response.text.splitlines()
-              if line.startswith(name + "{") or line.startswith(name + " ")]
-    return sum(values) if response.status_code == 200 and values else None
+        return {}
+    if response.status_code != 200:
+        return {}
+    wanted, totals = set(names), {}
+    for line in response.text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in wanted:
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def counter_total(http: httpx.Client, base_url: str, name: str) -> float | None:
+    """One counter of the replica's /metrics summed over its labels (None if unreadable or absent)."""
+    return counter_totals(http, base_url, (name,)).get(name)
 
 
 def external_hits(http: httpx.Client, base_url: str) -> float | None:

@@ -94,6 +94,7 @@ from connectors_cpu import (  # noqa: E402
     Replica,
     Reply,
     complete,
+    counter_totals,
     free_port,
     last_error_line,
     machine,
@@ -362,22 +363,11 @@ def metrics_snapshot(http: httpx.Client, url: str, recorded_after: dict | None =
     ({} if unreadable). With `recorded_after` (the snapshot before a request) it waits, at most 2 s, until vLLM
     has recorded one more finished request: its output loop records a finished request's times after it has sent
     the last token, so a scrape right after the answer may come before them."""
-    wanted = (LOCAL_HITS, FINISHED, *TIMELINE.values())
     deadline = time.monotonic() + 2.0
     while True:
-        try:
-            response = http.get(f"{url}/metrics", timeout=10)
-        except httpx.HTTPError:
-            return {}
-        if response.status_code != 200:
-            return {}
-        totals: dict[str, float] = {}
-        for line in response.text.splitlines():
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name in wanted:
-                totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        totals = counter_totals(http, url, (LOCAL_HITS, FINISHED, *TIMELINE.values()))
         done = recorded_after is None or totals.get(FINISHED, 0.0) > recorded_after.get(FINISHED, 0.0)
-        if done or time.monotonic() > deadline:
+        if not totals or done or time.monotonic() > deadline:
             return totals
         time.sleep(0.05)
 
@@ -785,8 +775,9 @@ def summarise(run: Run) -> dict:
                "committed_bytes": r["commit_timeline"][-1][1] if r.get("commit_timeline") else None,
                "previous": i < len(run.previous)}
               for i, r in enumerate([*run.previous, *run.rows]) if r["kind"] == "stores"]
-    registrations = [{k: r[k] for k in ("arm", "role", "register_wait_s", "timed_out")}
-                     for r in run.rows if r["kind"] == "registration"]
+    registrations = [{**{k: r[k] for k in ("arm", "role", "register_wait_s", "timed_out")},
+                      "previous": i < len(run.previous)}
+                     for i, r in enumerate([*run.previous, *run.rows]) if r["kind"] == "registration"]
     return {**run.meta, "seconds": round(time.monotonic() - run.started), "cells": cells, "stores": stores,
             "registrations": registrations,
             "skipped": run.skipped,
@@ -866,7 +857,8 @@ def write_report(run: Run) -> dict:
                  + (" - **timed out** (--store-timeout)" if st["timed_out"] else "")
                  + "; the commit timeline is in rows.jsonl"]
     for reg in summary["registrations"]:
-        text += ["", f"- {reg['arm']} {reg['role']}: its connector had the pool arena registered for DMA "
+        text += ["", f"- {reg['arm']} {reg['role']}" + (" (a --previous call)" if reg["previous"] else "")
+                 + ": its connector had the pool arena registered for DMA "
                  f"{reg['register_wait_s']} s after the replica was ready (waited before the warm-up)"
                  + (" - **not registered** within --register-timeout: its first loads may include pinning"
                     if reg["timed_out"] else "")]

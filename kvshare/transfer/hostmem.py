@@ -268,7 +268,7 @@ class Registration:
             if not all(f.done() and f.exception() is None for f in self._claims.values()):
                 return
             self._told = True
-        nbytes = sum(self.span(p)[1] for p in range(self.pieces.count))
+        nbytes = self.pieces.num_pages * self.pieces.page_size
         log.info("arena registered for DMA: %.1f GiB in %d pieces, %.1f s after this view's registration began",
                  nbytes / 2**30, self.pieces.count, time.monotonic() - self._created)
 
