@@ -124,6 +124,7 @@ class ConnectorCore:
         self._attached = ArenaLife()  # replaced as one object on each new connection, so that readers on other
         # threads never pair one pool life's page numbers with another life's arena
         self._lease_limit = 0  # pages one connection may hold under leases (the pool's STATS; 0: none)
+        self._warned_foreign = False  # _foreign logged its error
         self._failures = Failures(self.stats)
         self._link = PoolLink(config, self._failures, self._on_connect, self._on_disconnect)
         self._committer = Committer(self._commit, self.stats, self._failures)
@@ -306,16 +307,19 @@ class ConnectorCore:
         return self.start_load(hit, block_ids, num_computed, waves=1, release=release).finish()
 
     def start_load(self, hit: PoolHit, block_ids: Sequence[int], num_computed: int, waves: int = 1,
-                   release: bool = True, state: torch.Tensor | None = None) -> PendingLoad:
+                   release: bool = True, state: torch.Tensor | None = None, salt: str = "") -> PendingLoad:
         """Start loading the hit as load() does, in `waves` layer waves (kvshare.transfer.waves), and return while
         the copies run: the caller reads layer l's blocks only after wait_layer(l), and calls finish() once after its
         last such read (the read lease and the arena are held until then: I3). A hybrid hit's state is copied into
         `state` (a packed state, StateLayout) and verified before this returns; if it cannot be, no KV copy starts
-        and finish() says False. Never raises."""
+        and finish() says False. A hit keyed under another namespace than this core's of `salt` (the request's) is
+        never copied (I9; see _foreign). Never raises."""
         started = time.perf_counter()
         life = self._attached
-        if hit.pool_instance != life.instance or not life.acquire():
-            # The pool restarted since the lookup: those page numbers now mean other bytes.
+        # Order: acquire() last, since it takes a reference on the arena that only _settle gives back.
+        if self._foreign(hit, salt) or hit.pool_instance != life.instance or not life.acquire():
+            # Another namespace's bytes, or the pool restarted since the lookup (those page numbers now mean other
+            # bytes): a miss.
             return PendingLoad(None, lambda handle, usable: self._settle(hit, None, None, started, release, False),
                                self._failures)
         try:
@@ -326,6 +330,23 @@ class ConnectorCore:
             handle = None
         return PendingLoad(handle, lambda handle, usable: self._settle(hit, life, handle, started, release, usable),
                            self._failures)
+
+    def _foreign(self, hit: PoolHit, salt: str) -> bool:
+        """Whether `hit` was found under a namespace other than the one this core's KV is stored under, for the
+        request's salt. Where one core both finds and loads (kvshare serve) it never is; vLLM's connector finds in
+        its scheduler process and loads in its worker, each half resolving the namespace itself, and a hit from a
+        half that resolved another KV layout would put bytes of one layout into blocks of another: same bytes,
+        checksums passing, wrong answers. Logged once: every hit of such a replica would say the same."""
+        own = self.namespace(salt).key
+        if hit.namespace == own:
+            return False
+        self.stats.errors += 1
+        if not self._warned_foreign:
+            self._warned_foreign = True
+            log.error("a pool hit was found under namespace %s but this replica's KV is namespace %s (%s): the "
+                      "connector's halves resolved different KV layouts or identities; such hits are recomputed, "
+                      "never loaded", hit.namespace.hex()[:12], own.hex()[:12], self.namespace(salt).describe())
+        return True
 
     def _load_state(self, life: ArenaLife, hit: PoolHit, state: torch.Tensor | None) -> bool:
         """Copy a hybrid hit's state into `state` and verify it (True for a hit without one). Before the KV copies

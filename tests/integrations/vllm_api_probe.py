@@ -14,6 +14,7 @@ import sys
 from types import SimpleNamespace
 
 import vllm.v1.attention.backends.utils as backend_utils
+import vllm.v1.attention.selector as selector
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
 
 from kvshare.integrations.vllm import KVShareConnector, compat
@@ -91,18 +92,27 @@ def behaviour(api: compat.VllmApi) -> dict:
         seen.append("manager" if source is manager else {r: [list(g) for g in source.get_block_ids(r)]
                                                           for r in ("a", "b") if r in source._tables})
     layouts = {}
-    config = SimpleNamespace(cache_config=SimpleNamespace(kv_cache_layout="LBHNC"))
+    config = SimpleNamespace(cache_config=SimpleNamespace(kv_cache_layout="LBHNC", cache_dtype="auto"),
+                             model_config=SimpleNamespace(dtype="float32", is_mm_prefix_lm=False))
     kv_config = SimpleNamespace(kv_cache_layout=None)
-    saved = getattr(backend_utils, "get_kv_cache_layout", None)
+    layer = SimpleNamespace(head_size=64)  # the attention layers' spec
+    saved = {module: getattr(module, name, None) for module, name in ((backend_utils, "get_kv_cache_layout"),
+                                                                      (selector, "get_attn_backend"))}
     try:
         for legacy in ("NHD", "HND"):
-            backend_utils.get_kv_cache_layout = lambda legacy=legacy: legacy  # vLLM 0.26's resolver, stood in
-            layouts[legacy] = compat.resolved_layout_name(config, kv_config, api)
+            for required in (None, "HND", "NHD"):
+                # vLLM 0.26's resolver and backend selection, stood in: the layout the process would resolve, and
+                # the one the layers' backend requires.
+                backend_utils.get_kv_cache_layout = lambda legacy=legacy: legacy
+                backend = SimpleNamespace(get_required_kv_cache_layout=lambda required=required: required)
+                selector.get_attn_backend = lambda *args, backend=backend, **kwargs: backend
+                layouts[f"{legacy}/{required}"] = compat.resolved_layout_name(config, kv_config, layer, api)
     finally:
-        if saved is None:
-            del backend_utils.get_kv_cache_layout
-        else:
-            backend_utils.get_kv_cache_layout = saved
+        for (module, value), name in zip(saved.items(), ("get_kv_cache_layout", "get_attn_backend")):
+            if value is None:
+                delattr(module, name)
+            else:
+                setattr(module, name, value)
     try:
         compat.require_hybrid_support("FullAttentionSpec, MambaSpec", api)
         hybrid = None
@@ -131,8 +141,6 @@ def main(paths: list[str]) -> None:
         "abstract_left": sorted(KVShareConnector.__abstractmethods__),
         "only_in_0_32": sorted(compat.ONLY_IN_0_32),
         "cache_hit_source": repr(vars(KVShareConnector).get("_cache_hit_source")),
-        "live_layout": None if compat.API.resolved_layout else  # 0.26's own resolver, no config current
-        compat.resolved_layout_name(SimpleNamespace(kv_transfer_config=None), None),
     }))
 
 

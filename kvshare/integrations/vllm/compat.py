@@ -14,8 +14,9 @@ is the one 0.26 pins). What differs, read from both releases' sources (docs/vllm
 - Cache-hit source. 0.32 labels external hits by `CacheHitSource` (the connector's `_cache_hit_source`); 0.26 has no
   such label: `CACHE_HIT_SOURCE_HOST` is None and the connector sets nothing.
 - KV cache layout. 0.32 resolves a `KVCacheLayout` name once ("LBHNC", "LBNHC", ...) into
-  KVCacheConfig.kv_cache_layout / CacheConfig.kv_cache_layout. 0.26 has neither field: its layout is
-  `get_kv_cache_layout()` of vllm.v1.attention.backends.utils, "NHD" or "HND" over the same logical page
+  KVCacheConfig.kv_cache_layout / CacheConfig.kv_cache_layout. 0.26 has neither field: its layout is the one the
+  layers' attention backend requires, which 0.26 sets in the worker's process only, else `get_kv_cache_layout()`
+  of vllm.v1.attention.backends.utils, "NHD" or "HND" over the same logical page
   [num_blocks, num_kv_heads, block_size, 2 * head_size]; "NHD" is 0.32's LBNHC and "HND" its LBHNC.
 - V head size. 0.32 declares AttentionSpec.head_size_v; 0.26 only on some subclasses (FullAttentionSpec,
   SlidingWindowSpec), where it defaults to head_size: elsewhere K and V have one head size.
@@ -183,22 +184,35 @@ def new_block_tables(api: VllmApi = API) -> BlockTables | None:
 
 
 # ---- layouts and specs ----------------------------------------------------------------------------------------
-def resolved_layout_name(vllm_config: Any, kv_cache_config: KVCacheConfig, api: VllmApi = API) -> str | None:
-    """The resolved KV cache layout as 0.32 names it ("LBHNC", "LBNHC", ...). vLLM 0.32: the engine core's
-    resolution (KVCacheConfig, else CacheConfig). vLLM 0.26: get_kv_cache_layout() in this process (override, then
-    VLLM_KV_CACHE_LAYOUT, then the connector's required layout, else "NHD"; this connector requires none), renamed;
-    a layout an attention backend forces only in the worker (set_kv_cache_layout there) shows up as a
-    LayoutMismatch when the worker registers."""
+def resolved_layout_name(vllm_config: Any, kv_cache_config: KVCacheConfig, spec: AttentionSpec,
+                         api: VllmApi = API) -> str | None:
+    """The resolved KV cache layout of `spec`'s layers as 0.32 names it ("LBHNC", "LBNHC", ...). vLLM 0.32: the
+    engine core's resolution (KVCacheConfig, else CacheConfig). vLLM 0.26: the layout that the attention backend of
+    those layers requires, else get_kv_cache_layout() (VLLM_KV_CACHE_LAYOUT, else "NHD"), renamed.
+
+    Why 0.26 asks for the backend: its worker selects each layer's backend while building the model, and a backend
+    that requires a layout (CPU_ATTN, and FlashInfer on Blackwell GPUs: "HND") sets it as a process-wide override
+    there and only there (v1/attention/selector.py). A scheduler half in another process (vLLM's CPU worker always,
+    a GPU one under the multiprocessing executor) would otherwise resolve "NHD" and key its LOOKUPs under another
+    namespace than its worker's stores, so that the two halves never agree. The same selection with the same
+    arguments as the model's plain attention layers (model/layers/attention/attention.py) gives the same backend; in
+    the worker's own process it is the backend already chosen (cached). The selection also sets the override in
+    this process, as in the worker's. The worker's core still refuses any hit keyed under a namespace other than its
+    own (ConnectorCore._foreign), so a backend chosen otherwise costs recompute, never an answer."""
     if api.resolved_layout:
         return kv_cache_config.kv_cache_layout or vllm_config.cache_config.kv_cache_layout
     from vllm.config import get_current_vllm_config_or_none, set_current_vllm_config  # vLLM 0.26
     from vllm.v1.attention.backends.utils import get_kv_cache_layout
+    from vllm.v1.attention.selector import get_attn_backend
 
-    # 0.26's resolver reads the current config (for the connector's required layout), which its engine core does not
-    # set around the scheduler: set ours for the call unless one is current (the worker's).
+    # 0.26's selection and resolver read the current config, which its engine core does not set around the
+    # scheduler: set ours for the call unless one is current (the worker's).
+    model = vllm_config.model_config
     current = get_current_vllm_config_or_none() is not None
     with contextlib.nullcontext() if current else set_current_vllm_config(vllm_config):
-        legacy = get_kv_cache_layout()
+        backend = get_attn_backend(spec.head_size, model.dtype, vllm_config.cache_config.cache_dtype,
+                                   use_mm_prefix=bool(model.is_mm_prefix_lm))
+        legacy = backend.get_required_kv_cache_layout() or get_kv_cache_layout()
     return LEGACY_LAYOUT_NAMES.get(legacy, legacy)
 
 

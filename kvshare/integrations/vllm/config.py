@@ -63,7 +63,7 @@ def expected_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
             f"KVShareConnector supports models with one KV cache group of plain attention; this model has "
             f"{len(groups)} group(s) ({', '.join(type(g.kv_cache_spec).__name__ for g in groups)})"
         )
-    layout_name = compat.resolved_layout_name(vllm_config, kv_cache_config)
+    layout_name = compat.resolved_layout_name(vllm_config, kv_cache_config, spec)
     if layout_name not in LAYOUT_KINDS:
         raise ValueError(
             f"KVShareConnector reads the KV cache layouts {sorted(LAYOUT_KINDS)}; vLLM resolved {layout_name}: "

@@ -22,6 +22,7 @@ class LoadSpec(msgspec.Struct, frozen=True):
     # A hybrid model's hit (kvshare.integrations.vllm.hybrid): block_ids are the attention group's, and the hit's
     # state goes into these blocks, one per mamba group, at index hit.end / block_size - 1 of each group's list.
     state_blocks: list[int] = []
+    salt: str = ""  # the request's cache salt: the hit must be keyed under the worker's namespace of it (I9)
 
     def block_range(self, block_size: int) -> list[int]:
         """The blocks this load writes: the ones to recompute if it fails."""

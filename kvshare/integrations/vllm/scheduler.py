@@ -121,13 +121,13 @@ class SchedulerSide:
         """The load of a hit into the request's blocks: its only group's, or a hybrid model's attention group's
         plus, per mamba group, the block at the hit's boundary (where vLLM reads the state from when the request
         runs: it copies that block into the running one first)."""
-        hybrid = self.hybrid
+        hybrid, salt = self.hybrid, self._requests[rid].cache_salt or ""
         if hybrid is None:
-            return LoadSpec(rid, found.hit, list(tables[0]), found.num_computed, found.accepted)
+            return LoadSpec(rid, found.hit, list(tables[0]), found.num_computed, found.accepted, salt=salt)
         index = hybrid.state_index(found.hit.end)
         state_blocks = [tables[g][index] if index < len(tables[g]) else 0 for g in hybrid.mamba]
         return LoadSpec(rid, found.hit, list(tables[hybrid.attention]), found.num_computed, found.accepted,
-                        state_blocks)
+                        state_blocks, salt)
 
     def _hybrid_stores(self, output: SchedulerOutput, kv_cache_manager: BlockIds) -> list[StoreSpec]:
         """One store per request with boundary states offered this step (vLLM's boundary_state_offloads: group,

@@ -108,7 +108,8 @@ class WorkerSide:
         state = self.hybrid.state_layout.new_buffer()
         # The state is copied and verified first (start_load), the K/V copies and checksums end in finish(); only
         # then does vLLM's block get the state, so a failed load leaves nothing of it there.
-        pending = self.core.start_load(hit, spec.block_ids, spec.num_computed, waves=1, release=False, state=state)
+        pending = self.core.start_load(hit, spec.block_ids, spec.num_computed, waves=1, release=False, state=state,
+                                       salt=spec.salt)
         if not pending.finish():
             return False
         if not self.core.config.unsafe_skip_state_load:  # the negative control leaves vLLM's block as it was
@@ -130,7 +131,7 @@ class WorkerSide:
         # release=False: the read lease is the scheduler process's; it ends it when this step's output arrives,
         # which is after settle_loads has waited for the copies.
         return self.core.start_load(hit, spec.block_ids, spec.num_computed, waves=self.core.config.load_waves,
-                                    release=False)
+                                    release=False, salt=spec.salt)
 
     def wait_layer(self, layer_name: str) -> None:
         """wait_for_layer_load: order the layer's reads after its copies, for every load of the step."""
