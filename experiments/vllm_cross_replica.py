@@ -976,6 +976,8 @@ def parse_args() -> argparse.Namespace:
     if not isinstance(args.kvshare_config, dict):
         p.error("--kvshare-config: a JSON object, e.g. '{\"stream_priority\": \"high\"}'")
     args.vllm_python = args.vllm_python or ("python3" if cuda else str(ROOT / ".venv-vllm" / "bin" / "python"))
+    if os.sep in args.vllm_python:  # a path: replicas start in the work folder. abspath, not resolve(): a venv's
+        args.vllm_python = os.path.abspath(args.vllm_python)  # python is a symlink that must stay one
     args.preset = args.preset or (None if args.model else ("qwen2.5-32b" if cuda else "tiny"))
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     args.warmup_len = args.warmup_len or (4096 if cuda else 512)
