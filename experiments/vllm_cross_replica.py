@@ -984,6 +984,9 @@ def parse_args() -> argparse.Namespace:
     args.max_tokens = max(1, args.max_tokens)
     if args.reps < 1 or args.first_rep < 0:
         p.error("--reps must be >= 1 and --first-rep >= 0")
+    missing = [str(path) for path in args.previous if not path.is_file()]
+    if missing:
+        p.error(f"--previous {', '.join(missing)}: no such file (an earlier call's OUT/rows.jsonl)")
     args.max_model_len = args.max_model_len or -(-(max(args.lengths) + args.max_tokens + 16) // 1024) * 1024
     args.max_num_batched_tokens = args.max_num_batched_tokens or (None if cuda else 4096)
     args.work = args.work or (args.out / "procs" if cuda else ROOT / ".runs" / "vllm-cross-replica")
@@ -1009,7 +1012,9 @@ def main() -> None:
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
-    (args.out / "rows.jsonl").unlink(missing_ok=True)
+    # There from the start, empty until rows come: a later call's --previous of it then always reads, also after a
+    # call whose arms were all skipped (the chain of calls in docs/results/h200-vllm/README.md must not break there).
+    (args.out / "rows.jsonl").write_text("")
     model = args.model
     if model is None:  # on cuda out of OUT (the tokenizer of a 152k vocab is not worth bringing back)
         model = (Path(tempfile.gettempdir()) / "kvshare-models" if args.device == "cuda" else args.work) / args.preset

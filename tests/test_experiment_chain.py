@@ -1,0 +1,36 @@
+"""experiments/vllm_cross_replica.py as the H200 plan chains it (docs/results/h200-vllm/README.md): each call's
+OUT/rows.jsonl is the next call's --previous. A call whose arms were all skipped must still leave a rows.jsonl (empty),
+else the next call of the chain, made with no pause in between, would stop; a --previous that does not exist is one
+line and exit 2, never a traceback. Runs no vLLM: a budget too small for any replica start skips every arm."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENT = ROOT / "experiments" / "vllm_cross_replica.py"
+
+
+def experiment(*args: str) -> subprocess.CompletedProcess:
+    # /bin/false as vLLM: no replica would start, and none is tried (the budget skips every start first).
+    command = [sys.executable, str(EXPERIMENT), "--device", "cpu", "--vllm-python", "/bin/false", "--arms", "kvshare",
+               "--lengths", "1024", "--reps", "1", "--budget", "30", *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_a_call_whose_arms_were_all_skipped_still_chains(tmp_path):
+    first = experiment("--out", str(tmp_path / "first"))
+    assert first.returncode == 0, first.stderr
+    assert (tmp_path / "first" / "rows.jsonl").read_text() == ""  # there, and empty
+    assert json.loads((tmp_path / "first" / "summary.json").read_text())["skipped"]  # and it says what it skipped
+    second = experiment("--previous", str(tmp_path / "first" / "rows.jsonl"), "--out", str(tmp_path / "second"))
+    assert second.returncode == 0, second.stderr
+
+
+def test_a_missing_previous_is_one_line(tmp_path):
+    done = experiment("--previous", str(tmp_path / "nowhere.jsonl"), "--out", str(tmp_path / "out"))
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and "nowhere.jsonl: no such file" in done.stderr.splitlines()[-1]
