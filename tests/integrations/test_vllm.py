@@ -9,6 +9,7 @@ openai SDK reaches A and B through `kvshare route`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -51,6 +52,11 @@ MAX_MODEL_LEN = 8192
 PREFILL_BUDGET = 4096  # --max-num-batched-tokens: the long prompt needs two prefill steps
 LONG_PROMPT = 6000  # the length at which vLLM's ExampleConnector failed on load (../shared/FACTS.md)
 CHUNK = 256
+# Replica P: 24 blocks of 128 tokens (3,072 tokens) for four requests of 1,500: vLLM must preempt one and resume it
+# later in other blocks. The shorter model length is what vLLM requires of a cache that small. Without vLLM's prefix
+# cache: with it, the resumed request got its own freed blocks back, and a connector that kept the old block table
+# (on 0.26, compat.BlockTables ignoring resumed_req_ids) passed; without it, it fails.
+PREEMPTING = ("--num-gpu-blocks-override", "24", "--max-model-len", "2048", "--no-enable-prefix-caching")
 START_TIMEOUT_S = 480.0  # three replicas starting together on two shared cores
 # Every arm pins the same CPU threads: with a connector vLLM would otherwise bind differently (FACTS.md).
 VLLM_ENV = {
@@ -142,9 +148,10 @@ class Replica:
 
 
 class Deployment:
-    def __init__(self, pool: str, pool_process: subprocess.Popen, arena: str, a: Replica, b: Replica, c: Replica):
+    def __init__(self, pool: str, pool_process: subprocess.Popen, arena: str, a: Replica, b: Replica, c: Replica,
+                 preempting: Replica | None = None):
         self.pool, self.pool_process, self.arena = pool, pool_process, arena
-        self.a, self.b, self.reference = a, b, c
+        self.a, self.b, self.reference, self.preempting = a, b, c, preempting
 
     def pool_stats(self):
         return read_stats(self.pool)
@@ -160,14 +167,16 @@ class Deployment:
 
 @contextlib.contextmanager
 def ready_replicas(tmp: Path, model: Path, pools: dict[str, str | None], waves: dict[str, int] | None = None,
-                   python: Path = VLLM_PYTHON) -> Iterator[list[Replica]]:
+                   python: Path = VLLM_PYTHON, extra: dict[str, tuple[str, ...]] | None = None
+                   ) -> Iterator[list[Replica]]:
     """vLLM replicas of `model` run by `python`'s vLLM, named and attached as `pools` says (None: no connector),
-    loading in `waves` layer waves (by name; else the connector's default), started together and ready under one
-    deadline; stopped however the block ends."""
+    loading in `waves` layer waves (by name; else the connector's default), with `extra` arguments (by name),
+    started together and ready under one deadline; stopped however the block ends."""
     replicas: list[Replica] = []
     try:
         for name, pool in pools.items():
-            replicas.append(Replica(name, model, tmp, pool, load_waves=(waves or {}).get(name), python=python))
+            replicas.append(Replica(name, model, tmp, pool, (extra or {}).get(name, ()),
+                                    load_waves=(waves or {}).get(name), python=python))
         deadline = time.monotonic() + START_TIMEOUT_S
         for replica in replicas:
             replica.wait_ready(deadline)
@@ -185,9 +194,9 @@ def deployment(request, tmp_path_factory, tiny_model):
     python = vllm_python(request.param)
     with start_pool("512MiB", arena=arena) as (address, pool_process):
         # A loads whole before the forward, B in layer waves (its attention waits for each layer): every test's
-        # loads go both ways.
-        with ready_replicas(tmp, tiny_model, {"A": address, "B": address, "C": None}, {"A": 1, "B": 4},
-                            python) as replicas:
+        # loads go both ways. P has too few KV blocks for its requests: vLLM preempts there.
+        with ready_replicas(tmp, tiny_model, {"A": address, "B": address, "C": None, "P": address},
+                            {"A": 1, "B": 4}, python, {"P": PREEMPTING}) as replicas:
             yield Deployment(address, pool_process, arena, *replicas)
 
 
@@ -280,6 +289,33 @@ def test_the_openai_sdk_through_the_router_in_front_of_the_vllm_replicas(deploym
     hits = deployment.a.external_hits() + deployment.b.external_hits()
     assert hits - hits_before >= (len(prompt) - 1) // CHUNK * CHUNK  # the second turn loaded the first's chunks
     assert chat.choices[0].finish_reason in ("length", "stop") and chat.usage.completion_tokens >= 1
+
+
+def test_chunks_stored_across_a_preemption_load_exactly(deployment):
+    """P answers four 1,200-token prompts at once with 300 tokens each in KV for 3,072 tokens, so vLLM preempts a
+    request, frees its blocks (the connector first waits for its stores to leave them: I4) and later resumes it in
+    other blocks (on 0.26 the connector rebuilds that request's block table from the step that resumes it). The
+    resumed request finds its own earlier chunks in the pool and P loads them into its new blocks, so P's answers
+    equal C's only if those blocks are the right ones. What P stored, the chunks its answers completed included, must
+    be the KV of the tokens it is keyed by: B, given each prompt and P's answer, loads those chunks and answers as C,
+    which computes everything."""
+    rng = random.Random(17)
+    prompts = [random_tokens(rng, 1200) for _ in range(4)]
+    p, preempted_before = deployment.preempting, deployment.preempting.counter("vllm:num_preemptions_total")
+    chunks_before = deployment.pool_stats().chunks
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda prompt: p.complete(prompt, max_tokens=300), prompts))
+    assert p.counter("vllm:num_preemptions_total") > preempted_before, "P was never preempted: the test tests nothing"
+    for prompt, answer in zip(prompts, answers):
+        assert answer == deployment.reference.complete(prompt, max_tokens=300)
+    # Each request's full chunks (its answer's included; the last token has no KV) and its prompt's one tail of
+    # whole 128-token blocks (1,200 % 256 = 176 tokens past the last full chunk).
+    deployment.wait_chunks(chunks_before + sum((len(q) + len(a) - 1) // CHUNK + 1 for q, a in zip(prompts, answers)))
+    for prompt, answer in zip(prompts, answers):
+        session = prompt + answer
+        hits_before = deployment.b.external_hits()
+        assert deployment.b.complete(session) == deployment.reference.complete(session)
+        assert deployment.b.external_hits() - hits_before >= (len(session) - 1) // CHUNK * CHUNK
 
 
 def test_corrupted_chunk_is_recomputed(deployment):
