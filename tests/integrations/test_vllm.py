@@ -34,15 +34,6 @@ ROOT = Path(__file__).resolve().parents[2]
 # Each vLLM release the connector is tested against on CPU -> its interpreter (scripts/setup-vllm.sh makes them).
 VLLM_PYTHONS = {"0.32": ROOT / ".venv-vllm" / "bin" / "python", "0.26": ROOT / ".venv-vllm-0.26" / "bin" / "python"}
 VLLM_PYTHON = VLLM_PYTHONS["0.32"]  # the other modules' release
-
-
-def vllm_python(version: str) -> Path:
-    """The interpreter of that release's venv; skips the test where it is not set up."""
-    python = VLLM_PYTHONS[version]
-    if not python.exists():
-        setup = "bash scripts/setup-vllm.sh" + ("" if version == "0.32" else f" {version}.0")
-        pytest.skip(f"needs {python.parents[1].name}: run `{setup}`")
-    return python
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(1200),
@@ -57,7 +48,7 @@ CHUNK = 256
 # cache: with it, the resumed request got its own freed blocks back, and a connector that kept the old block table
 # (on 0.26, compat.BlockTables ignoring resumed_req_ids) passed; without it, it fails.
 PREEMPTING = ("--num-gpu-blocks-override", "24", "--max-model-len", "2048", "--no-enable-prefix-caching")
-START_TIMEOUT_S = 480.0  # three replicas starting together on two shared cores
+START_TIMEOUT_S = 480.0  # three or four replicas starting together on two shared cores
 # Every arm pins the same CPU threads: with a connector vLLM would otherwise bind differently (FACTS.md).
 VLLM_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -78,6 +69,15 @@ def kv_transfer_config(pool: str, load_waves: int | None = None) -> str:
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra,
     })
+
+
+def vllm_python(version: str) -> Path:
+    """The interpreter of that release's venv; skips the test where it is not set up."""
+    python = VLLM_PYTHONS[version]
+    if not python.exists():
+        setup = "bash scripts/setup-vllm.sh" + ("" if version == "0.32" else f" {version}.0")
+        pytest.skip(f"needs {python.parents[1].name}: run `{setup}`")
+    return python
 
 
 class Replica:
