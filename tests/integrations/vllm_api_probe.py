@@ -96,8 +96,8 @@ def behaviour(api: compat.VllmApi) -> dict:
                              model_config=SimpleNamespace(dtype="float32", is_mm_prefix_lm=False))
     kv_config = SimpleNamespace(kv_cache_layout=None)
     layer = SimpleNamespace(head_size=64)  # the attention layers' spec
-    saved = {module: getattr(module, name, None) for module, name in ((backend_utils, "get_kv_cache_layout"),
-                                                                      (selector, "get_attn_backend"))}
+    saved = [(module, name, getattr(module, name, None))
+             for module, name in ((backend_utils, "get_kv_cache_layout"), (selector, "get_attn_backend"))]
     try:
         for legacy in ("NHD", "HND"):
             for required in (None, "HND", "NHD"):
@@ -108,7 +108,7 @@ def behaviour(api: compat.VllmApi) -> dict:
                 selector.get_attn_backend = lambda *args, backend=backend, **kwargs: backend
                 layouts[f"{legacy}/{required}"] = compat.resolved_layout_name(config, kv_config, layer, api)
     finally:
-        for (module, value), name in zip(saved.items(), ("get_kv_cache_layout", "get_attn_backend")):
+        for module, name, value in saved:
             if value is None:
                 delattr(module, name)
             else:
