@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kvshare.engine.weights import dummy_state_dict
 from kvshare.hf.config import ModelConfig
@@ -159,6 +159,23 @@ def train_tokenizer(vocab_size: int, fill_to: int, seed: int) -> Tokenizer:
     return tokenizer
 
 
+def with_placeholder_ids(tokenizer: Tokenizer, vocab_size: int) -> Tokenizer:
+    """`tokenizer` covering ids up to `vocab_size`: the ids past its trained BPE become vocabulary entries `<|tN|>`.
+
+    A real model's tokenizer covers its whole vocabulary, so the tokens a dummy-weight model samples stream as text (a
+    client's TTFT is its first text, not its first id). They are BPE vocabulary entries that no merge reaches, not
+    added tokens: text never encodes to them, and transformers 5 deep-copies every added token at each load (151k of
+    them took 4 s a load here, 7-8 s on the H200 host, three loads per vLLM replica start); a real Qwen tokenizer
+    has a few dozen. Decoding any id gives the same text either way."""
+    missing = vocab_size - tokenizer.get_vocab_size(with_added_tokens=True)
+    if missing <= 0:
+        return tokenizer
+    spec = json.loads(tokenizer.to_str())
+    vocab, first = spec["model"]["vocab"], tokenizer.get_vocab_size(with_added_tokens=True)
+    vocab.update({f"<|t{i}|>": first + i for i in range(missing)})
+    return Tokenizer.from_str(json.dumps(spec))
+
+
 def tokenizer_config(model_max_length: int) -> dict:
     """The fields transformers' PreTrainedTokenizerFast (and so vLLM) reads beside tokenizer.json."""
     return {
@@ -187,11 +204,7 @@ def make_model(preset: str, out: str | Path, seed: int = 0) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     fill = p.vocab_size if p.tokenizer_vocab >= p.vocab_size else 0
     tokenizer = train_tokenizer(p.tokenizer_vocab, fill, seed)
-    # A real model's tokenizer covers its whole vocabulary: ids past the trained BPE decode to placeholder text, so
-    # the tokens a dummy-weight model samples stream as text (a client's TTFT is its first text, not its first id).
-    missing = p.vocab_size - tokenizer.get_vocab_size(with_added_tokens=True)
-    if missing > 0:
-        tokenizer.add_tokens([AddedToken(f"<|t{i}|>", special=False, normalized=False) for i in range(missing)])
+    tokenizer = with_placeholder_ids(tokenizer, p.vocab_size)
     tokenizer.save(str(out / "tokenizer.json"), pretty=False)
     bos_id, eos_id = tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOS)
     config = hf_config(p, bos_id, eos_id)

@@ -68,4 +68,19 @@ def test_every_id_of_a_config_only_preset_decodes_to_text(tmp_path):
     from kvshare.engine.make_model import make_model
 
     tokenizer = Tokenizer.from_dir(make_model("qwen2.5-32b", tmp_path / "q"))
-    assert all(tokenizer.decode([i]) for i in (2000, 100000, 152063))
+    assert tokenizer.vocab_size == 152064
+    assert [tokenizer.decode([i]) for i in (2000, 100000, 152063)] == ["<|t976|>", "<|t98976|>", "<|t151039|>"]
+
+
+def test_placeholder_ids_are_vocabulary_not_added_tokens(tmp_path):
+    """Ids past the trained BPE are plain vocabulary entries: transformers (and so vLLM, three times a replica start)
+    deep-copies every added token at load, 4-8 s for 151k of them. Text never encodes to a placeholder."""
+    from kvshare.engine.make_model import make_model
+
+    transformers = pytest.importorskip("transformers")
+    folder = make_model("qwen2.5-32b", tmp_path / "q")
+    added = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
+    assert all(token["special"] for token in added) and len(added) < 16
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    assert len(hf_tokenizer) == 152064 and hf_tokenizer.decode([152063]) == "<|t151039|>"
+    assert max(Tokenizer.from_dir(folder).encode("a <|t5|> b")) < 1024
