@@ -349,12 +349,13 @@ def tree_bytes() -> int:
 
 
 def split_file(src: Path, stem: str, size: int, out_dir: Path) -> list[dict]:
+    """`src` in parts of `size` bytes, the last the rest: full parts leave the rest as room that plan_calls fills
+    with a bundle, so the calls number ceil(all pieces / a call's budget) where equal parts would take one more."""
     n = -(-src.stat().st_size // size)
-    part = -(-src.stat().st_size // n)  # equal parts, each <= size
     pieces = []
     with open(src, "rb") as f:
         for i in range(n):
-            data = f.read(part)
+            data = f.read(size)
             name = f"{stem}.part{i + 1}of{n}"
             (out_dir / name).write_bytes(data)
             pieces.append({"file": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
