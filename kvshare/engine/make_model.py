@@ -167,12 +167,11 @@ def with_placeholder_ids(tokenizer: Tokenizer, vocab_size: int) -> Tokenizer:
     added tokens: text never encodes to them, and transformers 5 deep-copies every added token at each load (151k of
     them took 4 s a load here, 7-8 s on the H200 host, three loads per vLLM replica start); a real Qwen tokenizer
     has a few dozen. Decoding any id gives the same text either way."""
-    missing = vocab_size - tokenizer.get_vocab_size(with_added_tokens=True)
-    if missing <= 0:
+    first = tokenizer.get_vocab_size(with_added_tokens=True)
+    if first >= vocab_size:
         return tokenizer
     spec = json.loads(tokenizer.to_str())
-    vocab, first = spec["model"]["vocab"], tokenizer.get_vocab_size(with_added_tokens=True)
-    vocab.update({f"<|t{i}|>": first + i for i in range(missing)})
+    spec["model"]["vocab"].update({f"<|t{i}|>": first + i for i in range(vocab_size - first)})
     return Tokenizer.from_str(json.dumps(spec))
 
 
