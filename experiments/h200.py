@@ -49,6 +49,7 @@ KINDS = {
               'exec python3 experiments/vllm_cross_replica.py "$@"', "vllm"], r"^\||TTFT|skipped|failed|error", 30),
     "run13-probe": (["python3", "experiments/h200_run13.py", "run"], r".", 30),
     "store-load": (["python3", "experiments/h200_store_under_load.py"], r"^\||chunks", 10),
+    "load-layers": (["python3", "experiments/h200_load_layers.py"], r"^\||chunks", 8),
 }
 
 TAIL128 = "--settle 14 --length 131072 --max-model-len 135168"

@@ -33,6 +33,7 @@ from kvshare.transfer.cpu import kept_segments
 from kvshare.transfer.hostmem import Pieces, registration
 from kvshare.transfer.jobs import ChunkPlan, TransferHandle
 from kvshare.transfer.transfer import Transfer, TransferOptions
+from kvshare.transfer.unit_kernel import LayerTable
 from kvshare.transfer.waves import WavePlan
 
 HIGHEST_PRIORITY = -(1 << 10)  # below any device's range: torch clamps it to the highest priority there is
@@ -70,6 +71,8 @@ class CudaTransfer(Transfer):
         self.hasher = DeviceHasher(self.device, self.page_size, self.used_per_page, priority) if on_device else None
         self._slots = [self._new_slot() for _ in range(options.staging_slots)]
         self._next_slot = 0
+        # One launch a slot for a space of many groups (vLLM's tensor per layer): kvshare.transfer.unit_kernel
+        self.layer_table = LayerTable.of(space) if options.unit_kernel else None
         # Once per process and arena view (hostmem keeps the registry); in the background unless register_ahead is off.
         # Started last: streams and device allocations above are driver calls, and a cudaHostRegister under way on a
         # background thread may hold the driver's lock for seconds a piece (H200 run 12: attach waited for every
@@ -136,6 +139,9 @@ class CudaTransfer(Transfer):
     def _gather(self, item: SlotItem, rows: torch.Tensor, slot: _Slot) -> None:
         units = slot.buffer.view(-1, self.layout.block_bytes)  # [slot_pages * upp, block_bytes]
         u_start, u_end = item.chunk.page_units(item.j0)[0], item.chunk.page_units(item.j1 - 1)[1]
+        if self.layer_table is not None:
+            self.layer_table.move(units, rows, item.row_offset, u_start, u_end, item.chunk.blocks_per_chunk, False)
+            return
         for group, a, b in self.space.group_spans(item.chunk.blocks_per_chunk, u_start, u_end):
             index = rows[item.row_offset + a : item.row_offset + b]
             for view, offset in zip(group.views, self.space.run_offsets):
@@ -209,6 +215,9 @@ class CudaTransfer(Transfer):
         units = slot.buffer.view(-1, self.layout.block_bytes)
         chunk = item.chunk
         u_start, u_end = chunk.page_units(item.j0)[0], chunk.page_units(item.j1 - 1)[1]
+        if self.layer_table is not None:  # skip markers (rows < 0) are left alone by the kernel
+            self.layer_table.move(units, rows, item.row_offset, u_start, u_end, chunk.blocks_per_chunk, True)
+            return
         for group, a, b in self.space.group_spans(chunk.blocks_per_chunk, u_start, u_end):
             for s, e in kept_segments(chunk.rows, a, b):
                 index = rows[item.row_offset + s : item.row_offset + e]

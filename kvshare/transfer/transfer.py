@@ -43,6 +43,9 @@ class TransferOptions:
       caller's long kernels, where with "normal" they may wait for SMs to free up. Measured on the H200 (stores
       overlapping GEMMs, experiments/h200_store_under_load.py): no difference, the stores kept up at both, so the
       default is "normal". Ordering is by events either way; priority changes only when queued work runs.
+    unit_kernel: CUDA only: where the KV layers are separate allocations (vLLM 0.26's tensor per layer), a slot's
+      units move by one Triton kernel (kvshare.transfer.unit_kernel) instead of an index op per layer; the same
+      bytes on the same streams. False keeps the torch form (to compare them, experiments/h200_load_layers.py).
     """
 
     ordering: Ordering = "stream"
@@ -54,6 +57,7 @@ class TransferOptions:
     register_threads: int = DEFAULT_THREADS
     register_ahead: bool = True
     stream_priority: str = "normal"
+    unit_kernel: bool = True
 
     def __post_init__(self):
         if self.ordering not in ("stream", "none"):

@@ -1,8 +1,8 @@
 """The Triton kernels on a machine with no GPU: their own tests (tests/engine/test_paged_attention.py,
-test_fused_ops.py, tests/transfer/test_hash_kernel.py) and the engine's exactness tests through them (a local prefix
-hit, fp8 cross-replica ON == local hit == cache OFF, a batch decoded together == each alone), run in a child process
-with TRITON_INTERPRET=1 (Triton reads it when imported), Triton and numpy taken from .triton-interpreter
-(scripts/setup-triton-interpreter.sh; CI runs it).
+test_fused_ops.py, tests/transfer/test_hash_kernel.py, test_unit_kernel.py) and the engine's exactness tests through
+them (a local prefix hit, fp8 cross-replica ON == local hit == cache OFF, a batch decoded together == each alone), run
+in a child process with TRITON_INTERPRET=1 (Triton reads it when imported), Triton and numpy taken from
+.triton-interpreter (scripts/setup-triton-interpreter.sh; CI runs it).
 The engine's fixture checks that every engine of that run reads through the kernels (tests/engine/conftest.py).
 Skipped without that folder, and on a GPU machine, where the kernel tests run on the device."""
 
@@ -22,6 +22,7 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the kernels' tests directly"),
 ]
 TESTS = ["tests/engine/test_paged_attention.py", "tests/engine/test_fused_ops.py", "tests/transfer/test_hash_kernel.py",
+         "tests/transfer/test_unit_kernel.py",
          "tests/engine/test_engine.py::test_prefix_cache_hits_give_identical_tokens",
          "tests/engine/test_engine.py::test_concurrent_submits_all_complete_with_solo_outputs",
          "tests/engine/test_kv_fp8.py::test_fp8_cross_replica_equals_a_local_prefix_hit_and_cache_off"]
