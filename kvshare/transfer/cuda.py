@@ -71,8 +71,11 @@ class CudaTransfer(Transfer):
         self.hasher = DeviceHasher(self.device, self.page_size, self.used_per_page, priority) if on_device else None
         self._slots = [self._new_slot() for _ in range(options.staging_slots)]
         self._next_slot = 0
-        # One launch a slot for a space of many groups (vLLM's tensor per layer): kvshare.transfer.unit_kernel
+        # One launch a slot for a space of many groups (vLLM's tensor per layer): kvshare.transfer.unit_kernel.
+        # Compiled here, before the registration below starts (loading a kernel is a driver call too).
         self.layer_table = LayerTable.of(space) if options.unit_kernel else None
+        if self.layer_table is not None:
+            self.layer_table.warm(self._slots[0].buffer.view(-1, self.layout.block_bytes))
         # Once per process and arena view (hostmem keeps the registry); in the background unless register_ahead is off.
         # Started last: streams and device allocations above are driver calls, and a cudaHostRegister under way on a
         # background thread may hold the driver's lock for seconds a piece (H200 run 12: attach waited for every

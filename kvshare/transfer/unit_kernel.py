@@ -81,10 +81,18 @@ class LayerTable:
                           blocks_per_chunk, self.runs, self.run_words, self.unit_words, TO_BLOCKS=to_blocks,
                           TILE=TILE_WORDS)
 
+    def warm(self, units: torch.Tensor) -> None:
+        """Compile both directions now, with a unit whose row is a skip marker (nothing moves): at first use they
+        would compile inside a request's load or store. The arguments that vary between items are not specialized
+        on (`do_not_specialize`), so these two are the only variants a transfer ever runs."""
+        skip = torch.full((1,), -1, dtype=torch.int64, device=units.device)
+        for to_blocks in (True, False):
+            self.move(units, skip, 0, 0, 1, 1, to_blocks)
+
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["row_offset", "u_start", "blocks_per_chunk"])
     def _move_units(units, rows, bases, strides, row_offset, u_start, blocks_per_chunk, runs, run_words, unit_words,
                     TO_BLOCKS: tl.constexpr, TILE: tl.constexpr):
         i, k, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)

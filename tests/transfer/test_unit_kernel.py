@@ -95,6 +95,36 @@ def test_a_row_offset_reads_the_item_s_rows():
     assert torch.equal(got[11], layer2_block11)
 
 
+def test_warm_moves_nothing():
+    layout, layers, space = _space("split_kv")
+    units = torch.from_numpy(np.random.default_rng(3).integers(0, 256, (12, layout.block_bytes), dtype=np.uint8))
+    units = units.to(DEVICE)
+    staged, before = units.clone(), _blocks(layout, layers)
+    LayerTable.of(space).warm(units)
+    after = _blocks(layout, layers)
+    assert torch.equal(units, staged) and all(np.array_equal(after[key], before[key]) for key in after)
+
+
 def test_one_storage_gets_no_table():
     _, _, space = _space("packed_kv", fused=True)
     assert len(space.groups) == 1 and LayerTable.of(space) is None
+
+
+def _compiled_variants() -> int:
+    from kvshare.transfer.unit_kernel import _move_units
+
+    return sum(len(caches[0]) for caches in _move_units.device_caches.values())  # (kernel cache, ...) per device
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled variants exist on a GPU only")
+def test_after_warm_no_item_compiles_another_variant():
+    layout, layers, space = _space("vllm_lbnhc")
+    table = LayerTable.of(space)
+    units = torch.zeros(12, layout.block_bytes, dtype=torch.uint8, device=DEVICE)
+    table.warm(units)
+    compiled = _compiled_variants()
+    rows = torch.from_numpy(np.concatenate([_rows(space, [1, 2, 3, 4])] * 3)).to(DEVICE)
+    for row_offset, u_start, u_end, to_blocks in [(0, 0, 12, True), (12, 3, 10, False), (17, 1, 7, True)]:
+        table.move(units, rows, row_offset, u_start, u_end, BLOCKS_PER_CHUNK, to_blocks)
+    torch.cuda.synchronize()
+    assert _compiled_variants() == compiled  # row offsets and slot starts of any value run the warmed code
