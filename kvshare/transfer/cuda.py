@@ -1,7 +1,8 @@
 """The CUDA path: gathers/scatters on a side stream, DMA between a device staging ring and the registered arena.
 
-Two side streams per Transfer: `gather` (index_select / index_copy_ kernels) and `copy` (host<->device DMA), so the
-gather of one slot overlaps the copy of another. Every cross-stream dependency is an event, each one commented:
+Two side streams per Transfer: `gather` (index_select / index_copy_ kernels, or one unit-kernel launch a slot where
+the layers are separate allocations: kvshare.transfer.unit_kernel) and `copy` (host<->device DMA), so the gather of
+one slot overlaps the copy of another. Every cross-stream dependency is an event, each one commented:
 - I4 store: `gather` waits on an event recorded on the caller's (producing) stream at store() time, so it reads KV
   only after every kernel already queued there, including the one that wrote that KV. The caller keeps the source
   blocks untouched until the returned TransferHandle is done (its event is recorded after the last copy).

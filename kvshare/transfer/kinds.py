@@ -21,6 +21,9 @@ What vLLM 0.32 hands a KV connector (read from vllm 0.32.0's `vllm/v1/kv_cache_i
   -> kind `VllmHND` ("vllm_lbhnc").
 - In both, layers of one KV-cache group are slices of one raw buffer (layer-compact layouts), so the block stride
   may exceed the block's bytes only with page padding; the transfer layer accepts any block stride >= the block.
+  vLLM 0.26 (`gpu_model_runner._allocate_kv_cache_tensors`) allocates each layer by itself instead, unless a model
+  has several groups and asks for cross-layer blocks: the same per-layer view, one storage per layer (on CUDA the
+  transfer then moves a slot with kvshare.transfer.unit_kernel).
   Layouts with B outside L (`BL*`) interleave layers inside a block; they still pass `check` (each layer's block is
   one run) and are copied layer by layer.
 
