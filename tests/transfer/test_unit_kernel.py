@@ -1,7 +1,8 @@
-"""The unit kernel moves the same bytes as the torch form (an index op per layer) for layers allocated one by one:
-every kind (one run a block, or K and V as two), slots that start mid-layer, skip markers left untouched, both
-directions. A space whose layers share one storage gets no table (the torch form is one op there already).
-On a GPU directly; without one under Triton's interpreter (tests/engine/test_paged_interpreter.py runs this file)."""
+"""The unit kernel moves each unit to or from its own block for layers allocated one by one, the block's packed
+bytes (K then V, tests.transfer.conftest) being the reference: every kind (one run a block, or K and V as two),
+slots that start mid-layer, skip markers and every other block left untouched, both directions. A space whose layers
+share one storage gets no table (the torch form is one op there already). On a GPU directly; without one under
+Triton's interpreter (tests/engine/test_paged_interpreter.py runs this file)."""
 
 import numpy as np
 import pytest
@@ -9,7 +10,6 @@ import torch
 
 from kvshare.transfer import KINDS, KVLayout
 from kvshare.transfer.blocks import build_block_space
-from kvshare.transfer.cpu import kept_segments
 from kvshare.transfer.unit_kernel import LayerTable, available
 from tests.transfer.conftest import block_bytes_of, make_kv
 
@@ -29,15 +29,6 @@ def _rows(space, block_ids):
     return space.rows(np.asarray(block_ids, dtype=np.int64))
 
 
-def _torch_scatter(space, units, rows, u_start, u_end):
-    """The torch form of CudaTransfer._scatter: an index_copy_ per group, run and kept segment."""
-    index_all = torch.from_numpy(rows).to(DEVICE)
-    for group, a, b in space.group_spans(BLOCKS_PER_CHUNK, u_start, u_end):
-        for s, e in kept_segments(rows, a, b):
-            for view, offset in zip(group.views, space.run_offsets):
-                view.index_copy_(0, index_all[s:e], units[s - u_start: e - u_start, offset: offset + space.run_bytes])
-
-
 def _blocks(layout, layers):
     """{(layer, block): its packed bytes} for every block of every layer."""
     return {(l, b): block_bytes_of(layout, layers[l], b) for l in range(layout.num_layers)
@@ -46,42 +37,35 @@ def _blocks(layout, layers):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("u_start, u_end", [(0, 12), (3, 10), (5, 6)])  # whole chunk; mid-layer slots
-def test_scatter_equals_the_torch_form_and_leaves_skipped_blocks(kind, u_start, u_end):
+def test_scatter_writes_each_unit_to_its_block_and_nothing_else(kind, u_start, u_end):
     layout, layers, space = _space(kind)
     table = LayerTable.of(space)
     assert table is not None
     rows = _rows(space, [9, -1, 2, 14])  # block 1 of the chunk skipped
     rng = np.random.default_rng(u_start * 31 + u_end)
     units = torch.from_numpy(rng.integers(0, 256, (u_end - u_start, layout.block_bytes), dtype=np.uint8)).to(DEVICE)
-    twin = make_kv(layout, device=DEVICE, fused=False, seed=7)
     before = _blocks(layout, layers)
     table.move(units, torch.from_numpy(rows).to(DEVICE), 0, u_start, u_end, BLOCKS_PER_CHUNK, True)
-    _torch_scatter(build_block_space(layout, twin), units, rows, u_start, u_end)
-    after, want = _blocks(layout, layers), _blocks(layout, twin)
-    assert all(np.array_equal(after[key], want[key]) for key in after)
-    # one group a layer: a unit's row is its block id
-    written = {(u // BLOCKS_PER_CHUNK, int(rows[u])) for u in range(u_start, u_end) if rows[u] >= 0}
-    for key in written:  # each one now holds its staged unit
-        u = next(u for u in range(u_start, u_end) if (u // BLOCKS_PER_CHUNK, int(rows[u])) == key)
-        assert np.array_equal(after[key], units[u - u_start].cpu().numpy())
+    after = _blocks(layout, layers)
+    written = set()
+    for u in range(u_start, u_end):  # one group a layer: a unit's row is its block id
+        if rows[u] >= 0:
+            written.add(key := (u // BLOCKS_PER_CHUNK, int(rows[u])))
+            assert np.array_equal(after[key], units[u - u_start].cpu().numpy())  # it holds its staged unit
     # every other block, the skipped one's included, keeps its bytes
     assert all(np.array_equal(after[key], before[key]) for key in after if key not in written)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_gather_equals_the_torch_form(kind):
+def test_gather_reads_each_unit_from_its_block(kind):
     layout, layers, space = _space(kind, heads=3)  # 3 heads: runs that are not a power of two
     table = LayerTable.of(space)
     rows = _rows(space, [11, 0, 5, 6])
     index = torch.from_numpy(rows).to(DEVICE)
     got = torch.zeros(12, layout.block_bytes, dtype=torch.uint8, device=DEVICE)
     table.move(got, index, 0, 0, 12, BLOCKS_PER_CHUNK, False)
-    want = torch.zeros_like(got)
-    for group, a, b in space.group_spans(BLOCKS_PER_CHUNK, 0, 12):
-        for view, offset in zip(group.views, space.run_offsets):
-            torch.index_select(view, 0, index[a:b], out=want[a:b, offset: offset + space.run_bytes])
-    assert torch.equal(got, want)
-    assert bool(got.any())
+    for u in range(12):  # unit u is block rows[u] of layer u // BLOCKS_PER_CHUNK, packed (K then V)
+        assert np.array_equal(got[u].cpu().numpy(), block_bytes_of(layout, layers[u // BLOCKS_PER_CHUNK], rows[u]))
 
 
 def test_a_row_offset_reads_the_item_s_rows():
@@ -91,8 +75,7 @@ def test_a_row_offset_reads_the_item_s_rows():
     index = torch.from_numpy(rows).to(DEVICE)
     got = torch.zeros(12, layout.block_bytes, dtype=torch.uint8, device=DEVICE)
     table.move(got, index, 12, 0, 12, BLOCKS_PER_CHUNK, False)  # the second chunk
-    layer2_block11 = layers[2][11].transpose(0, 1).contiguous().view(torch.uint8).reshape(-1)
-    assert torch.equal(got[11], layer2_block11)
+    assert np.array_equal(got[11].cpu().numpy(), block_bytes_of(layout, layers[2], 11))
 
 
 def test_warm_moves_nothing():
