@@ -35,5 +35,6 @@ def test_kernels_and_the_engine_through_them_under_triton_s_interpreter():
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-2000:]
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|skipped|failed)", summary)}
-    # Only the two fp8 K/V-write byte checks skip there (the interpreter's fp32 -> e4m3 rounding is wrong).
-    assert counts.get("skipped", 0) == 2 and counts.get("passed", 0) >= 27, summary
+    # Only three skip there: the two fp8 K/V-write byte checks (the interpreter's fp32 -> e4m3 rounding is wrong) and
+    # the unit kernel's count of compiled variants (the interpreter compiles nothing).
+    assert counts.get("skipped", 0) == 3 and counts.get("passed", 0) >= 46, summary
