@@ -18,12 +18,12 @@ bytes [u * block_bytes + k * run_bytes, + run_bytes), and the block's run k at v
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from kvshare.transfer.blocks import BlockSpace
+from kvshare.transfer.hash_kernel import available  # the same condition: Triton on CUDA, or its interpreter
 
 try:
     import triton
@@ -31,15 +31,10 @@ try:
 except ImportError:  # the CPU build of torch ships without Triton: the torch form serves there
     triton = None
 
+__all__ = ["LayerTable", "available"]
+
 TILE_WORDS = 1024  # 8-byte words one program copies (8 KiB): a 64 KiB run is 8 programs
 WORD = 8
-
-
-def available(device: torch.device) -> bool:
-    """True where the kernel runs: Triton importable, and a CUDA device or Triton's interpreter (TRITON_INTERPRET=1)."""
-    if triton is None:
-        return False
-    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @dataclass(frozen=True)
@@ -85,6 +80,8 @@ class LayerTable:
         """Compile both directions now, with a unit whose row is a skip marker (nothing moves): at first use they
         would compile inside a request's load or store. The arguments that vary between items are not specialized
         on (`do_not_specialize`), so these two are the only variants a transfer ever runs."""
+        # Allocated and launched on the current stream: the allocator reuses its memory only after that stream's
+        # queued work, these launches included.
         skip = torch.full((1,), -1, dtype=torch.int64, device=units.device)
         for to_blocks in (True, False):
             self.move(units, skip, 0, 0, 1, 1, to_blocks)
