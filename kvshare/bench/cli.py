@@ -74,6 +74,8 @@ def register_micro(cli) -> None:
     overhead = cli.command("router-overhead", help="TTFT through the router vs direct, on loopback", group="bench")
     overhead.add_argument("--requests", type=int, default=200, help="requests per arm")
     overhead.add_argument("--first-token-delay-ms", type=float, default=20.0, help="stub replica's time to first token")
+    overhead.add_argument("--prompt-tokens", type=int, default=0, metavar="N",
+                          help="send N token ids as the prompt (a long-context request); 0 sends the text \"hello\"")
     overhead.add_argument("--json", metavar="PATH", help="write the results as JSON here")
     overhead.set_defaults(run=_router_overhead)
     l2 = cli.command("l2", "L2 tier on loopback Redis: the original and the striped promotion side by side (GB/s, "
@@ -235,4 +237,6 @@ def _router_overhead(args: argparse.Namespace) -> int:
     from kvshare.router.cli import quiet_http_client_logs
 
     quiet_http_client_logs()
-    return run_overhead_bench(args.requests, args.first_token_delay_ms, args.json)
+    if args.prompt_tokens < 0 or args.requests < 1:
+        raise SystemExit("kvshare bench router-overhead: --requests must be >= 1 and --prompt-tokens >= 0")
+    return run_overhead_bench(args.requests, args.first_token_delay_ms, args.json, args.prompt_tokens)

@@ -4,6 +4,8 @@ One stub replica (fixed time to first token) and one router in front of it run a
 in pairs, one direct and one routed, the order alternating pair by pair (ABBA), so drift on a shared machine hits
 both arms alike; each arm uses its own keep-alive connection. TTFT is measured at the client: request sent to the
 first SSE `data:` line received. The overhead is the median of the per-pair differences (routed - direct).
+The prompt is the text "hello", or with --prompt-tokens N a list of N token ids (a long-context request: the router
+reads and keys every id before it forwards the body).
 """
 
 from __future__ import annotations
@@ -42,10 +44,16 @@ class Spread:
         return Spread(*(round(float(x), 3) for x in (p50, p10, p90, p75 - p25, v.min(), v.max())))
 
 
-def ttft_ms(client: httpx.Client, url: str) -> float:
-    body = {"prompt": "hello", "max_tokens": 4, "stream": True}
+def request_body(prompt_tokens: int) -> bytes:
+    """The completions request both arms send: "hello", or `prompt_tokens` ids (fixed, so every request is alike)."""
+    prompt = [(7919 * i) % 150_000 for i in range(prompt_tokens)] if prompt_tokens else "hello"
+    return json.dumps({"prompt": prompt, "max_tokens": 4, "stream": True}).encode()
+
+
+def ttft_ms(client: httpx.Client, url: str, body: bytes) -> float:
     started = time.perf_counter()
-    with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+    headers = {"content-type": "application/json"}
+    with client.stream("POST", f"{url}/v1/completions", content=body, headers=headers) as response:
         lines = response.iter_lines()
         next(line for line in lines if line.startswith("data: "))
         elapsed = (time.perf_counter() - started) * 1000
@@ -54,18 +62,18 @@ def ttft_ms(client: httpx.Client, url: str) -> float:
     return elapsed
 
 
-def measure(direct_url: str, routed_url: str, requests: int) -> dict:
+def measure(direct_url: str, routed_url: str, requests: int, body: bytes) -> dict:
     with httpx.Client(timeout=60) as direct, httpx.Client(timeout=60) as routed:
         for _ in range(WARMUP):
-            ttft_ms(direct, direct_url), ttft_ms(routed, routed_url)
+            ttft_ms(direct, direct_url, body), ttft_ms(routed, routed_url, body)
         direct_ms, routed_ms = [], []
         for i in range(requests):
             if i % 2 == 0:
-                direct_ms.append(ttft_ms(direct, direct_url))
-                routed_ms.append(ttft_ms(routed, routed_url))
+                direct_ms.append(ttft_ms(direct, direct_url, body))
+                routed_ms.append(ttft_ms(routed, routed_url, body))
             else:
-                routed_ms.append(ttft_ms(routed, routed_url))
-                direct_ms.append(ttft_ms(direct, direct_url))
+                routed_ms.append(ttft_ms(routed, routed_url, body))
+                direct_ms.append(ttft_ms(direct, direct_url, body))
     overhead = [r - d for r, d in zip(routed_ms, direct_ms)]
     return {
         "direct": asdict(Spread.of(direct_ms)),
@@ -98,16 +106,19 @@ def table(result: dict) -> str:
     return "\n".join(rows)
 
 
-def run_overhead_bench(requests: int, first_token_delay_ms: float, json_path: str | None) -> int:
+def run_overhead_bench(requests: int, first_token_delay_ms: float, json_path: str | None,
+                       prompt_tokens: int = 0) -> int:
     load_before = round(os.getloadavg()[0], 2)
+    body = request_body(prompt_tokens)
     with stub_replica("bench", first_token_delay_ms) as replica, router([replica.url]) as routed:
-        result = measure(replica.url, routed.url, requests)
+        result = measure(replica.url, routed.url, requests, body)
     report = {
         "command": "kvshare bench router-overhead "
                    + shlex.join(sys.argv[3:] if sys.argv[1:3] == ["bench", "router-overhead"] else []),
         "machine": {**machine(), "load_avg_1m_before": load_before},
         "setup": {"requests_per_arm": requests, "warmup_per_arm": WARMUP,
                   "stub_first_token_delay_ms": first_token_delay_ms, "budget_ms": BUDGET_MS,
+                  "prompt_tokens": prompt_tokens, "request_body_bytes": len(body),
                   "method": __doc__.split("\n\n", 1)[1].strip()},
         **result,
     }
@@ -131,6 +142,12 @@ def markdown(report: dict, summary: str) -> str:
         f"{report['setup']['method']}\n\n"
         f"{report['setup']['requests_per_arm']} requests per arm after {report['setup']['warmup_per_arm']} warm-up; "
         f"the stub replica sends its first token {report['setup']['stub_first_token_delay_ms']:g} ms after the "
-        "request. `overhead` is the per-pair difference routed - direct.\n\n"
+        f"request. The prompt: {_prompt_words(report['setup'])}. `overhead` is the per-pair difference routed - "
+        "direct.\n\n"
         f"{table(report)}\n\n**{summary}.**\n"
     )
+
+
+def _prompt_words(setup: dict) -> str:
+    tokens = setup.get("prompt_tokens", 0)
+    return f"{tokens:,} token ids ({setup['request_body_bytes']:,}-byte body)" if tokens else '"hello"'

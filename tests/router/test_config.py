@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvshare.bench.router_overhead import run_overhead_bench
+from kvshare.bench.router_overhead import request_body, run_overhead_bench
 from kvshare.router.config import RouterConfig, read_replicas_file
 
 
@@ -32,10 +32,20 @@ def test_route_without_replicas_exits_2_with_the_fix():
     assert result.returncode == 2 and "--replica URL" in result.stderr
 
 
-def test_overhead_bench_writes_json_and_markdown(tmp_path):
+@pytest.mark.parametrize("prompt_tokens, prompt_words", [(0, '"hello"'), (5000, "5,000 token ids")])
+def test_overhead_bench_writes_json_and_markdown(tmp_path, prompt_tokens, prompt_words):
     path = tmp_path / "overhead.json"
-    run_overhead_bench(requests=4, first_token_delay_ms=1.0, json_path=str(path))  # exit code is timing: not asserted
+    # the exit code is timing: not asserted
+    run_overhead_bench(requests=4, first_token_delay_ms=1.0, json_path=str(path), prompt_tokens=prompt_tokens)
     report = json.loads(path.read_text())
     assert len(report["samples_ms"]["direct"]) == len(report["samples_ms"]["routed"]) == 4
     assert set(report["overhead"]) >= {"median_ms", "p10_ms", "p90_ms", "iqr_ms"}
-    assert "| routed |" in path.with_suffix(".md").read_text()
+    assert report["setup"]["prompt_tokens"] == prompt_tokens
+    markdown = path.with_suffix(".md").read_text()
+    assert "| routed |" in markdown and f"The prompt: {prompt_words}" in markdown
+
+
+def test_overhead_bench_sends_the_asked_number_of_ids():
+    prompt = json.loads(request_body(131_072))["prompt"]
+    assert len(prompt) == 131_072 and all(isinstance(t, int) and 0 <= t < 150_000 for t in prompt)
+    assert json.loads(request_body(0))["prompt"] == "hello"
