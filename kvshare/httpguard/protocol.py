@@ -57,6 +57,11 @@ class GuardedH11Protocol(H11Protocol):
             # Fixed instead of autotuned (up to 4 MiB on Linux): a client that stops reading pins at most this much
             # kernel memory, and the write timeout starts once it is full.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.send_buffer_bytes)
+            # Every write goes out now. asyncio sets this only when the listening socket was made with proto
+            # IPPROTO_TCP; without it Nagle holds a small write while an earlier one is unacknowledged, and a client
+            # that delays its ACK (Linux: up to 40 ms) holds it that long: the router's first SSE chunk, written just
+            # after its headers, reached keep-alive clients ~40 ms late, as did tokens streamed close together.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if len(self.connections) > self.limits.max_connections:
             log.warning("refused a connection from %s: %d open, over --max-connections %d", self._peer(),
                         len(self.connections) - 1, self.limits.max_connections)

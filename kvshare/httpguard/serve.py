@@ -22,7 +22,7 @@ def reserve_port(host: str, port: int) -> socket.socket:
     (loading a model) fails at once on a busy port, with one line (an OSError) naming the address, instead of after
     announcing that it serves. Until serve() listens, connections are refused (not left hanging in a backlog)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn decides
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # as getaddrinfo gives uvicorn's own bind
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses a port in TIME_WAIT
     try:
         sock.bind((host, port))  # fails while another socket listens on the port, SO_REUSEADDR or not
