@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+from kvshare.router.cli import POLICY_NAMES
+
 
 def register(cli) -> None:
     cross = cli.command("cross-replica", "cross-replica TTFT by input length, blocks OFF-ON-ON-OFF", group="bench")
@@ -76,6 +78,8 @@ def register_micro(cli) -> None:
     overhead.add_argument("--first-token-delay-ms", type=float, default=20.0, help="stub replica's time to first token")
     overhead.add_argument("--prompt-tokens", type=int, default=0, metavar="N",
                           help="send N token ids as the prompt (a long-context request); 0 sends the text \"hello\"")
+    overhead.add_argument("--policy", choices=POLICY_NAMES, default="round-robin",
+                          help="the router's placement policy (cache-aware reads and keys the whole prompt)")
     overhead.add_argument("--json", metavar="PATH", help="write the results as JSON here")
     overhead.set_defaults(run=_router_overhead)
     l2 = cli.command("l2", "L2 tier on loopback Redis: the original and the striped promotion side by side (GB/s, "
@@ -239,4 +243,4 @@ def _router_overhead(args: argparse.Namespace) -> int:
     quiet_http_client_logs()
     if args.prompt_tokens < 0 or args.requests < 1:
         raise SystemExit("kvshare bench router-overhead: --requests must be >= 1 and --prompt-tokens >= 0")
-    return run_overhead_bench(args.requests, args.first_token_delay_ms, args.json, args.prompt_tokens)
+    return run_overhead_bench(args.requests, args.first_token_delay_ms, args.json, args.prompt_tokens, args.policy)

@@ -107,10 +107,10 @@ def table(result: dict) -> str:
 
 
 def run_overhead_bench(requests: int, first_token_delay_ms: float, json_path: str | None,
-                       prompt_tokens: int = 0) -> int:
+                       prompt_tokens: int = 0, policy: str = "round-robin") -> int:
     load_before = round(os.getloadavg()[0], 2)
     body = request_body(prompt_tokens)
-    with stub_replica("bench", first_token_delay_ms) as replica, router([replica.url]) as routed:
+    with stub_replica("bench", first_token_delay_ms) as replica, router([replica.url], policy) as routed:
         result = measure(replica.url, routed.url, requests, body)
     report = {
         "command": "kvshare bench router-overhead "
@@ -118,7 +118,7 @@ def run_overhead_bench(requests: int, first_token_delay_ms: float, json_path: st
         "machine": {**machine(), "load_avg_1m_before": load_before},
         "setup": {"requests_per_arm": requests, "warmup_per_arm": WARMUP,
                   "stub_first_token_delay_ms": first_token_delay_ms, "budget_ms": BUDGET_MS,
-                  "prompt_tokens": prompt_tokens, "request_body_bytes": len(body),
+                  "prompt_tokens": prompt_tokens, "request_body_bytes": len(body), "policy": policy,
                   "method": __doc__.split("\n\n", 1)[1].strip()},
         **result,
     }
@@ -142,8 +142,8 @@ def markdown(report: dict, summary: str) -> str:
         f"{report['setup']['method']}\n\n"
         f"{report['setup']['requests_per_arm']} requests per arm after {report['setup']['warmup_per_arm']} warm-up; "
         f"the stub replica sends its first token {report['setup']['stub_first_token_delay_ms']:g} ms after the "
-        f"request. The prompt: {_prompt_words(report['setup'])}. `overhead` is the per-pair difference routed - "
-        "direct.\n\n"
+        f"request. The prompt: {_prompt_words(report['setup'])}; the router's policy: "
+        f"{report['setup'].get('policy', 'round-robin')}. `overhead` is the per-pair difference routed - direct.\n\n"
         f"{table(report)}\n\n**{summary}.**\n"
     )
 

@@ -44,7 +44,7 @@ class RouterApp:
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
         query = scope.get("query_string", b"").decode("latin-1")
         try:
-            info = parse_request(scope["path"], headers, body)
+            info = parse_request(scope["path"], headers, body, read_prompt=self.proxy.policy.reads_prompt)
         except MalformedBody as error:
             await error_response(400, str(error), "invalid_request_error", "invalid_body")(scope, receive, send)
             return

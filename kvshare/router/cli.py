@@ -8,7 +8,7 @@ import sys
 from kvshare.httpguard.limits import add_flags as add_http_limit_flags
 from kvshare.router.config import RouterConfig
 
-_POLICIES = ("round-robin", "alternate", "fixed", "least-loaded", "cache-aware")  # kvshare.router.policies.POLICIES
+POLICY_NAMES = ("round-robin", "alternate", "fixed", "least-loaded", "cache-aware")  # kvshare.router.policies.POLICIES
 
 
 def register(cli) -> None:
@@ -16,7 +16,7 @@ def register(cli) -> None:
     route.add_argument("--replica", action="append", default=[], metavar="URL",
                        help="replica base URL, e.g. http://127.0.0.1:8001 (repeat for each replica)")
     route.add_argument("--replicas-file", metavar="FILE", help="file with one replica URL per line")
-    route.add_argument("--policy", default=RouterConfig.policy, choices=_POLICIES, help="placement of each request")
+    route.add_argument("--policy", default=RouterConfig.policy, choices=POLICY_NAMES, help="placement of each request")
     route.add_argument("--host", default=RouterConfig.host, help="address to listen on")
     route.add_argument("--port", type=int, default=RouterConfig.port,
                        help="port to listen on (default: %(default)s, which is also `kvshare serve`'s and vLLM's: run "

@@ -25,6 +25,7 @@ from kvshare.router.request import RequestInfo
 
 class Policy(ABC):
     name: ClassVar[str]
+    reads_prompt: ClassVar[bool] = False  # True: choose() reads the prompt, so the router must decode it
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
@@ -135,6 +136,7 @@ class CacheAware(Policy):
     load_weight suits it; without one, a smaller one. Ties take round-robin turns."""
 
     name = "cache-aware"
+    reads_prompt = True
 
     def __init__(self, config: RouterConfig) -> None:
         super().__init__(config)

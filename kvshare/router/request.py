@@ -14,6 +14,7 @@ replica could serve it. On other paths such a body places like a request with no
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated, Any
 
 import msgspec
 
@@ -32,9 +33,42 @@ class RequestInfo:
     prompt_text: bytes = b""  # UTF-8 prompt text when no token ids were sent
 
 
-def parse_request(path: str, headers: list[tuple[str, str]], body: bytes) -> RequestInfo:
+class _TokenIdsBody(msgspec.Struct):
+    """A body whose `prompt` is one list of non-negative ints and that has no `messages`: the long-context client's
+    form, decoded and checked in one pass in C (131,072 ids: ~5 ms, against ~13 ms for decoding to Python objects and
+    checking each id). Anything else fails to decode into it and takes the general path, so both paths place every
+    body alike."""
+
+    prompt: list[Annotated[int, msgspec.Meta(ge=0)]]
+    user: Any = None
+    messages: Any = msgspec.UNSET
+
+
+class _SessionBody(msgspec.Struct):
+    """The one field a policy that ignores the prompt reads: the prompt is parsed for validity but never built into
+    objects (131,072 ids: ~1 ms)."""
+
+    user: Any = None
+
+
+_TOKEN_IDS_BODY = msgspec.json.Decoder(_TokenIdsBody)
+_SESSION_BODY = msgspec.json.Decoder(_SessionBody)
+
+
+def parse_request(path: str, headers: list[tuple[str, str]], body: bytes, read_prompt: bool = True) -> RequestInfo:
     """Raises MalformedBody only for a generation request whose body is not a readable JSON object; anything readable
-    is placed and forwarded, for the replica to judge (its 4xx pass through)."""
+    is placed and forwarded, for the replica to judge (its 4xx pass through). With read_prompt False the prompt is
+    left out (None, b""), for a policy that does not read it; the session and every refusal stay the same."""
+    # Only for ASCII bodies: a string the session decoder skips is not checked for valid UTF-8, which the general
+    # path refuses; ASCII (id prompts, escaped text) is valid UTF-8 by construction, and isascii() costs ~0.1 ms.
+    if not read_prompt and body.isascii():
+        try:
+            return RequestInfo(_first(headers, SESSION_HEADER) or _as_str(_SESSION_BODY.decode(body).user))
+        except (msgspec.DecodeError, RecursionError):
+            pass  # not a JSON object: the general path below says why, or places it without a prompt
+    ids = _token_ids_body(body)
+    if ids is not None:
+        return RequestInfo(_first(headers, SESSION_HEADER) or _as_str(ids.user), tuple(ids.prompt), b"")
     payload = _json_object(body, strict=path in GENERATION_PATHS)
     session = _first(headers, SESSION_HEADER) or _as_str(payload.get("user"))
     if "messages" in payload:
@@ -47,6 +81,14 @@ def parse_request(path: str, headers: list[tuple[str, str]], body: bytes) -> Req
     if isinstance(prompt, str):
         return RequestInfo(session, None, prompt.encode())
     return RequestInfo(session, None, b"")
+
+
+def _token_ids_body(body: bytes) -> _TokenIdsBody | None:
+    try:
+        decoded = _TOKEN_IDS_BODY.decode(body)
+    except (msgspec.DecodeError, RecursionError):  # ValidationError is a DecodeError
+        return None
+    return decoded if decoded.messages is msgspec.UNSET else None
 
 
 def _json_object(body: bytes, strict: bool) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvshare.router.config import RouterConfig
@@ -100,6 +102,41 @@ def test_parse_request_session_and_prompt_forms():
     assert parse_request("/v1/embeddings", [], b"not json{") == RequestInfo()  # other paths: placed without a prompt
 
 
+def _placement_oracle(payload: dict) -> RequestInfo:
+    """What placement reads from a completions body, written plainly (the router decodes id prompts a faster way)."""
+    user = payload.get("user") if isinstance(payload.get("user"), str) and payload.get("user") else None
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and all(type(t) is int and t >= 0 for t in prompt):
+        return RequestInfo(user, tuple(prompt), b"")
+    return RequestInfo(user, None, prompt.encode() if isinstance(prompt, str) else b"")
+
+
+@pytest.mark.parametrize("body", [
+    b'{"prompt": [3, 1, 4, 1, 5], "user": "u", "max_tokens": 4, "stream": true}',
+    b'{"prompt": [], "user": ""}',
+    b'{"prompt": [0, 100000000000000000000000]}',
+    b'{"prompt": [1, true, 2]}', b'{"prompt": [1, -2]}', b'{"prompt": [1, 2.0]}', b'{"prompt": [1, "2"]}',
+    b'{"prompt": [[9, 8], [7]], "user": 5}', b'{"prompt": ["ab", "cd"]}', b'{"prompt": "text", "user": "u"}',
+    b'{"prompt": null}', b'{"user": "u"}', b'{"prompt": [1, 2], "prompt": [3]}', b'{"prompt": {"ids": [1]}}',
+    b'{"prompt": [1, 2], "user": {"deep": [[[[1]]]]}}',
+])
+def test_every_completions_body_places_as_its_plain_reading(body):
+    expected = _placement_oracle(json.loads(body))
+    assert parse_request("/v1/completions", [], body) == expected
+    # a policy that ignores the prompt gets the same session and no prompt
+    assert parse_request("/v1/completions", [], body, read_prompt=False) == RequestInfo(expected.session_id)
+
+
+def test_chat_messages_win_over_an_id_prompt_and_the_header_over_user():
+    body = b'{"prompt": [1, 2, 3], "user": "u", "messages": [{"role": "user", "content": "hi"}]}'
+    assert parse_request("/v1/chat/completions", [], body) == RequestInfo("u", None, b"user\nhi\n\n")
+    assert parse_request("/v1/completions", [], b'{"prompt": [1, 2], "messages": null}') == RequestInfo()
+    assert parse_request("/v1/completions", [("x-session-id", "h")], b'{"prompt": [7], "user": "u"}') == RequestInfo(
+        "h", (7,), b"")
+
+
 @pytest.mark.parametrize("body, says", [
     (b"not json{", "not valid JSON"),
     (b'{"prompt": "ab\\ud800cd"}', "not valid JSON"),  # a lone surrogate: no replica could encode it
@@ -108,9 +145,10 @@ def test_parse_request_session_and_prompt_forms():
     (b"[1, 2]", "must be a JSON object"),
     (b"", "must be a JSON object"),
 ])
-def test_generation_requests_with_unreadable_bodies_are_malformed(body, says):
+@pytest.mark.parametrize("read_prompt", [True, False])
+def test_generation_requests_with_unreadable_bodies_are_malformed(body, says, read_prompt):
     with pytest.raises(MalformedBody, match=says):
-        parse_request("/v1/completions", [], body)
+        parse_request("/v1/completions", [], body, read_prompt=read_prompt)
 
 
 def test_unknown_policy_names_the_valid_ones():
