@@ -161,19 +161,29 @@ class Reply:
     error: str = ""
 
 
+# How an answer's token ids come back. return_token_ids: vLLM's field, but its first chunk also echoes every prompt
+# id (820 KB of JSON at 128k, built, relayed and parsed before the first token counts). logprobs: `logprobs` 0 with
+# `return_tokens_as_token_ids`, each generated token as "token_id:N", no echo: the first chunk is what a user gets.
+ANSWER_IDS = ("return_token_ids", "logprobs")
+
+
 def complete(http: httpx.Client, replica: Replica, model: str, prompt: list[int], max_tokens: int,
-             via: str | None = None) -> Reply:
+             via: str | None = None, answer_ids: str = "return_token_ids") -> Reply:
     """Greedy streamed completion of token ids; TTFT = the first streamed chunk that carries a generated token.
-    The /metrics scrapes around it are outside the timed window. `via`: send the request there (a router in front
-    of the replica) instead of to the replica itself; the hits are still the replica's."""
+    The /metrics scrapes and the body's JSON encoding are outside the timed window. `via`: send the request there (a
+    router in front of the replica) instead of to the replica itself; the hits are still the replica's."""
     before = external_hits(http, replica.url)
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "ignore_eos": True, "return_token_ids": True}
+            "ignore_eos": True}
+    body |= {"logprobs": 0, "return_tokens_as_token_ids": True} if answer_ids == "logprobs" else {
+        "return_token_ids": True}
+    content = json.dumps(body).encode()
     tokens: list[int] = []
     ttft = None
     started = time.perf_counter()
     try:
-        with http.stream("POST", f"{via or replica.url}/v1/completions", json=body) as response:
+        with http.stream("POST", f"{via or replica.url}/v1/completions", content=content,
+                         headers={"content-type": "application/json"}) as response:
             if response.status_code != 200:
                 return Reply(None, time.perf_counter() - started, [], None, f"HTTP {response.status_code}")
             for line in response.iter_lines():
@@ -182,7 +192,7 @@ def complete(http: httpx.Client, replica: Replica, model: str, prompt: list[int]
                 payload = json.loads(line[6:])
                 if "choices" not in payload:  # an error reported inside the stream
                     return Reply(None, time.perf_counter() - started, tokens, None, json.dumps(payload)[:300])
-                new = payload["choices"][0].get("token_ids") or []
+                new = generated_ids(payload["choices"][0], answer_ids)
                 if new and ttft is None:
                     ttft = time.perf_counter() - started
                 tokens += new
@@ -192,6 +202,13 @@ def complete(http: httpx.Client, replica: Replica, model: str, prompt: list[int]
     after = external_hits(http, replica.url)
     hits = None if before is None or after is None else after - before
     return Reply(ttft, latency, tokens, hits)
+
+
+def generated_ids(choice: dict, answer_ids: str) -> list[int]:
+    """The token ids one streamed choice adds to the answer."""
+    if answer_ids == "return_token_ids":
+        return choice.get("token_ids") or []
+    return [int(token.removeprefix("token_id:")) for token in (choice.get("logprobs") or {}).get("tokens") or []]
 
 
 # ---- arms --------------------------------------------------------------------------------------------------------
@@ -206,6 +223,7 @@ class Arm:
     scratch: list[Path] = field(default_factory=list)  # emptied after every cell (ExampleConnector's files)
     deaths: list[str] = field(default_factory=list)
     dead: str = ""
+
 
 
 def kvshare_arm(settings: Settings, tag: str, name: str = "kvshare", src: Path = ROOT, timed: bool = False) -> Arm:

@@ -29,9 +29,12 @@ Every replica first serves an unrecorded warm-up (rows kind "warmup"): a process
 kernel and allocator costs. kvshare's A stores the warm-up prompt and B loads it, so B's load path is warm too; the
 offload arm warms both of its paths the same way.
 
-Answers: greedy, `ignore_eos`, token ids streamed with `return_token_ids` (as experiments/connectors_cpu.py, whose
-helpers this imports). Hits per request: the change of the replica's `vllm:external_prefix_cache_hits_total`
-(connector tokens) and `vllm:prefix_cache_hits_total` (local GPU cache) around it, read from its /metrics.
+Answers: greedy, `ignore_eos`, token ids streamed as `logprobs` 0 with `return_tokens_as_token_ids`
+(`--answer-ids logprobs`, the default since session fourteen), or with `return_token_ids` (`--answer-ids
+return_token_ids`, sessions ten to thirteen: vLLM's first chunk then echoes every prompt id, 820 KB of JSON at 128k
+inside the timed window). The helpers come from experiments/connectors_cpu.py. Hits per request: the change of the
+replica's `vllm:external_prefix_cache_hits_total` (connector tokens) and `vllm:prefix_cache_hits_total` (local GPU
+cache) around it, read from its /metrics.
 Floor: the prompt's K/V bytes (from config.json: layers x KV heads x head dim x 2 x dtype bytes per token) over
 `--gbps` (default 55.2 GB/s, the H200 host's measured host->device rate).
 
@@ -89,6 +92,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from connectors_cpu import (  # noqa: E402
+    ANSWER_IDS,
     EXTERNAL_HITS,
     Process,
     Replica,
@@ -319,7 +323,7 @@ class Run:
         before = metrics_snapshot(http, replica.url)
         with bounded:
             reply: Reply = complete(bounded, replica, self.settings.served_name, prompt, self.settings.max_tokens,
-                                    via=router)
+                                    via=router, answer_ids=self.args.answer_ids)
         after = metrics_snapshot(http, replica.url, recorded_after=before)
         ref = self.reference(length, rep) if kind == "measured" and (arm, role) != ("none", "ref") else None
         exact = first = None
@@ -852,7 +856,8 @@ def write_report(run: Run) -> dict:
             f"- command: `{summary['command']}`",
             f"- started {summary['started_utc']} UTC, {summary['seconds']} s; budget {summary['budget_s']} s",
             f"- model: {summary['model']} ({summary['dtype']}, load format {summary['load_format']}), "
-            f"{summary['kv_bytes_per_token']} B of K/V per token; max tokens {summary['max_tokens']} greedy",
+            f"{summary['kv_bytes_per_token']} B of K/V per token; max tokens {summary['max_tokens']} greedy, ids via "
+            f"{summary.get('answer_ids', 'return_token_ids')}",
             f"- floor = K/V bytes / {summary['gbps']} GB/s; hits = change of `{EXTERNAL_HITS}` (external) and "
             f"`{LOCAL_HITS}` (local) on the replica around the request; TTFT = first streamed token through "
             f"`kvshare route`; answers equal = the same greedy token ids as the `none` arm's answer",
@@ -953,6 +958,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--load-format", default="", help="default: dummy when the model folder has no weights, "
                    "else auto")
     p.add_argument("--max-tokens", type=int, default=8, help="greedy tokens per answer (compared)")
+    p.add_argument("--answer-ids", choices=ANSWER_IDS, default="logprobs", help="how answers' token ids come back: "
+                   "logprobs (no echo of the prompt) or return_token_ids (its first chunk echoes every prompt id)")
     p.add_argument("--warmup-len", type=int, default=0, help="tokens of each replica's unrecorded first request "
                    "(default: 4096 on cuda, 512 on cpu)")
     p.add_argument("--vocab", type=int, default=0, help="prompt ids from [3, vocab) (default: the model's vocab, "
@@ -1054,6 +1061,7 @@ def main() -> None:
     m["gpu"] = gpu_name()
     meta = {"device": args.device, "model": args.preset or model.name, "dtype": args.dtype,
             "load_format": load_format, "kv_bytes_per_token": kvb, "gbps": args.gbps, "max_tokens": args.max_tokens,
+            "answer_ids": args.answer_ids,
             "command": "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
             "started_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "machine": m,
             "packages": package_versions(args.vllm_python), "arms": args.arms, "lengths": args.lengths,
