@@ -78,6 +78,8 @@ def register_micro(cli) -> None:
     overhead.add_argument("--first-token-delay-ms", type=float, default=20.0, help="stub replica's time to first token")
     overhead.add_argument("--prompt-tokens", type=int, default=0, metavar="N",
                           help="send N token ids as the prompt (a long-context request); 0 sends the text \"hello\"")
+    overhead.add_argument("--echo-prompt", action="store_true",
+                          help="ask for return_token_ids: the replica's first event carries every prompt id back")
     overhead.add_argument("--policy", choices=POLICY_NAMES, default="round-robin",
                           help="the router's placement policy (cache-aware reads and keys the whole prompt)")
     overhead.add_argument("--json", metavar="PATH", help="write the results as JSON here")
@@ -243,4 +245,5 @@ def _router_overhead(args: argparse.Namespace) -> int:
     quiet_http_client_logs()
     if args.prompt_tokens < 0 or args.requests < 1:
         raise SystemExit("kvshare bench router-overhead: --requests must be >= 1 and --prompt-tokens >= 0")
-    return run_overhead_bench(args.requests, args.first_token_delay_ms, args.json, args.prompt_tokens, args.policy)
+    return run_overhead_bench(args.requests, args.first_token_delay_ms, args.json, args.prompt_tokens, args.policy,
+                              args.echo_prompt)

@@ -5,7 +5,8 @@ in pairs, one direct and one routed, the order alternating pair by pair (ABBA), 
 both arms alike; each arm uses its own keep-alive connection. TTFT is measured at the client: request sent to the
 first SSE `data:` line received. The overhead is the median of the per-pair differences (routed - direct).
 The prompt is the text "hello", or with --prompt-tokens N a list of N token ids (a long-context request: the router
-reads and keys every id before it forwards the body).
+reads and keys every id before it forwards the body); with --echo-prompt the request asks for `return_token_ids`, and
+the stub's first event carries every prompt id back, as vLLM's does.
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ class Spread:
         return Spread(*(round(float(x), 3) for x in (p50, p10, p90, p75 - p25, v.min(), v.max())))
 
 
-def request_body(prompt_tokens: int) -> bytes:
+def request_body(prompt_tokens: int, echo_prompt: bool = False) -> bytes:
     """The completions request both arms send: "hello", or `prompt_tokens` ids (fixed, so every request is alike)."""
     prompt = [(7919 * i) % 150_000 for i in range(prompt_tokens)] if prompt_tokens else "hello"
-    return json.dumps({"prompt": prompt, "max_tokens": 4, "stream": True}).encode()
+    echo = {"return_token_ids": True} if echo_prompt else {}
+    return json.dumps({"prompt": prompt, "max_tokens": 4, "stream": True, **echo}).encode()
 
 
 def ttft_ms(client: httpx.Client, url: str, body: bytes) -> float:
@@ -107,9 +109,9 @@ def table(result: dict) -> str:
 
 
 def run_overhead_bench(requests: int, first_token_delay_ms: float, json_path: str | None,
-                       prompt_tokens: int = 0, policy: str = "round-robin") -> int:
+                       prompt_tokens: int = 0, policy: str = "round-robin", echo_prompt: bool = False) -> int:
     load_before = round(os.getloadavg()[0], 2)
-    body = request_body(prompt_tokens)
+    body = request_body(prompt_tokens, echo_prompt)
     with stub_replica("bench", first_token_delay_ms) as replica, router([replica.url], policy) as routed:
         result = measure(replica.url, routed.url, requests, body)
     report = {
@@ -119,6 +121,7 @@ def run_overhead_bench(requests: int, first_token_delay_ms: float, json_path: st
         "setup": {"requests_per_arm": requests, "warmup_per_arm": WARMUP,
                   "stub_first_token_delay_ms": first_token_delay_ms, "budget_ms": BUDGET_MS,
                   "prompt_tokens": prompt_tokens, "request_body_bytes": len(body), "policy": policy,
+                  "echo_prompt": echo_prompt,
                   "method": __doc__.split("\n\n", 1)[1].strip()},
         **result,
     }
@@ -150,4 +153,7 @@ def markdown(report: dict, summary: str) -> str:
 
 def _prompt_words(setup: dict) -> str:
     tokens = setup.get("prompt_tokens", 0)
-    return f"{tokens:,} token ids ({setup['request_body_bytes']:,}-byte body)" if tokens else '"hello"'
+    if not tokens:
+        return '"hello"'
+    echo = ", echoed in the first event (return_token_ids)" if setup.get("echo_prompt") else ""
+    return f"{tokens:,} token ids ({setup['request_body_bytes']:,}-byte body){echo}"

@@ -7,7 +7,9 @@ carry `"stub": {"status": 503}` (answer that status; with `"request_caused": tru
 marks a failure as the request's own), `{"fail_after": K}` (drop the connection after K events) or
 `{"hold_after": K}` (after K events, wait for `POST /stub/release`) or `{"echo_headers": true}` (the request headers
 it received, as `"headers": [[name, value], ...]`), optionally with `"only": NAME` so that only the replica of that
-name obeys; `POST /stub/health {"ok": false}` makes /health answer 503. Bad input (no prompt/messages,
+name obeys; `POST /stub/health {"ok": false}` makes /health answer 503. A streamed id prompt with
+`"return_token_ids": true` gets its ids back in the first event's choice (`prompt_token_ids`), as vLLM sends them.
+Bad input (no prompt/messages,
 max_tokens < 0, body not JSON) gets an OpenAI-style 400, as a real replica would.
 """
 
@@ -115,7 +117,10 @@ async def _events(name, body, tokens, control, state, first_delay_s, interval_s)
             raise RuntimeError(f"stub {name} told to fail after {seq} events")
         if seq == control.get("hold_after"):
             await state["release"].wait()
-        event = {**_completion(name, body), "seq": seq, "choices": [{"index": 0, "text": f"t{seq} "}]}
+        choice = {"index": 0, "text": f"t{seq} "}
+        if seq == 0 and body.get("return_token_ids") and isinstance(body.get("prompt"), list):
+            choice["prompt_token_ids"] = body["prompt"]  # as vLLM's first chunk: the prompt's ids, echoed
+        event = {**_completion(name, body), "seq": seq, "choices": [choice]}
         yield f"data: {json.dumps(event)}\n\n".encode()
         if interval_s:
             await asyncio.sleep(interval_s)

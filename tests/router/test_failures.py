@@ -91,6 +91,20 @@ def test_stream_arrives_whole_in_order_and_unbuffered(make_router, replicas):
     assert {e["replica"] for e in events} == {"B"} and rest[-2:] == ["data: [DONE]", ""]
 
 
+@pytest.mark.parametrize("policy", ["round-robin", "cache-aware"])
+def test_a_long_id_prompt_and_its_echo_pass_byte_for_byte(make_router, replicas, policy):
+    """131,072 ids up (the router reads as much of them as the policy needs) and back in the first event (820 KB, as
+    vLLM's return_token_ids sends them), whole and unchanged, behind the rest of the stream."""
+    base = make_router([replicas[2].url], policy).url
+    prompt = [(7919 * i) % 150_000 for i in range(131_072)]
+    body = {"prompt": prompt, "max_tokens": 3, "stream": True, "return_token_ids": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
+        events = sse_events(response.iter_lines())
+    assert events[0]["choices"][0]["prompt_token_ids"] == prompt
+    assert [e["seq"] for e in events] == [0, 1, 2, 3] and events[-1]["usage"]["prompt_tokens"] == len(prompt)
+    assert all("prompt_token_ids" not in e["choices"][0] for e in events[1:])
+
+
 def test_error_after_the_first_byte_reaches_the_client(make_router, replicas):
     base = make_router([replicas[2].url], "round-robin", "--health-interval", "60").url
     body = {"prompt": "x", "max_tokens": 10, "stream": True, "stub": {"fail_after": 3}}
