@@ -60,7 +60,7 @@ class GuardedH11Protocol(H11Protocol):
             # Every write goes out now. asyncio sets this only when the listening socket was made with proto
             # IPPROTO_TCP; without it Nagle holds a small write while an earlier one is unacknowledged, and a client
             # that delays its ACK (Linux: up to 40 ms) holds it that long: the router's first SSE chunk, written just
-            # after its headers, reached keep-alive clients ~40 ms late, as did tokens streamed close together.
+            # after its held-back headers, reached keep-alive clients ~40 ms late.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if len(self.connections) > self.limits.max_connections:
             log.warning("refused a connection from %s: %d open, over --max-connections %d", self._peer(),

@@ -59,16 +59,12 @@ def parse_request(path: str, headers: list[tuple[str, str]], body: bytes, read_p
     """Raises MalformedBody only for a generation request whose body is not a readable JSON object; anything readable
     is placed and forwarded, for the replica to judge (its 4xx pass through). With read_prompt False the prompt is
     left out (None, b""), for a policy that does not read it; the session and every refusal stay the same."""
-    # Only for ASCII bodies: a string the session decoder skips is not checked for valid UTF-8, which the general
-    # path refuses; ASCII (id prompts, escaped text) is valid UTF-8 by construction, and isascii() costs ~0.1 ms.
-    if not read_prompt and body.isascii():
-        try:
-            return RequestInfo(_first(headers, SESSION_HEADER) or _as_str(_SESSION_BODY.decode(body).user))
-        except (msgspec.DecodeError, RecursionError):
-            pass  # not a JSON object: the general path below says why, or places it without a prompt
-    ids = _token_ids_body(body)
-    if ids is not None:
-        return RequestInfo(_first(headers, SESSION_HEADER) or _as_str(ids.user), tuple(ids.prompt), b"")
+    # The typed decoders skip the fields they do not name without checking the UTF-8 of their strings, which the
+    # general path refuses; an ASCII body (id prompts, escaped text) is valid UTF-8 by construction, and isascii()
+    # costs ~0.03 ms at 820 KB. Every other body takes the general path.
+    typed = _typed_reading(headers, body, read_prompt) if body.isascii() else None
+    if typed is not None:
+        return typed
     payload = _json_object(body, strict=path in GENERATION_PATHS)
     session = _first(headers, SESSION_HEADER) or _as_str(payload.get("user"))
     if "messages" in payload:
@@ -83,12 +79,18 @@ def parse_request(path: str, headers: list[tuple[str, str]], body: bytes, read_p
     return RequestInfo(session, None, b"")
 
 
-def _token_ids_body(body: bytes) -> _TokenIdsBody | None:
+def _typed_reading(headers: list[tuple[str, str]], body: bytes, read_prompt: bool) -> RequestInfo | None:
+    """The session alone (read_prompt False), or the session and an id prompt; None where only the general path can
+    tell (not an object, not an id prompt, chat messages)."""
     try:
-        decoded = _TOKEN_IDS_BODY.decode(body)
-    except (msgspec.DecodeError, RecursionError):  # ValidationError is a DecodeError
+        if not read_prompt:
+            return RequestInfo(_first(headers, SESSION_HEADER) or _as_str(_SESSION_BODY.decode(body).user))
+        ids = _TOKEN_IDS_BODY.decode(body)
+    except (msgspec.DecodeError, RecursionError):  # a ValidationError is a DecodeError
         return None
-    return decoded if decoded.messages is msgspec.UNSET else None
+    if ids.messages is not msgspec.UNSET:
+        return None
+    return RequestInfo(_first(headers, SESSION_HEADER) or _as_str(ids.user), tuple(ids.prompt), b"")
 
 
 def _json_object(body: bytes, strict: bool) -> dict:

@@ -141,6 +141,8 @@ def test_chat_messages_win_over_an_id_prompt_and_the_header_over_user():
     (b"not json{", "not valid JSON"),
     (b'{"prompt": "ab\\ud800cd"}', "not valid JSON"),  # a lone surrogate: no replica could encode it
     (b'{"prompt": "ab\xed\xa0\x80cd"}', "not valid JSON"),  # the same as UTF-8 bytes
+    (b'{"prompt": [1, 2], "suffix": "ab\\ud800cd"}', "not valid JSON"),  # beside an id prompt, in a field placement
+    (b'{"prompt": [1, 2], "suffix": "ab\xed\xa0\x80cd"}', "not valid JSON"),  # does not read
     (b"[" * 100_000 + b"]" * 100_000, "too deeply"),
     (b"[1, 2]", "must be a JSON object"),
     (b"", "must be a JSON object"),
