@@ -225,7 +225,6 @@ class Arm:
     dead: str = ""
 
 
-
 def kvshare_arm(settings: Settings, tag: str, name: str = "kvshare", src: Path = ROOT, timed: bool = False) -> Arm:
     """A kvshare pool and the connector, both from `src` (a checkout or an exported revision)."""
     socket_path, arena = settings.work / f"{name}-pool.sock", Path(f"/dev/shm/kvshare-connectors-{name}-{tag}.arena")
