@@ -17,14 +17,22 @@ Arms (each replica a `vllm.entrypoints.openai.api_server` process, requests thro
   lmcache  LMCache 0.5.3 through vLLM's LMCacheConnectorV1 (kv_both), configured as an LMCache user does: a YAML
            file named by LMCACHE_CONFIG_FILE (chunk_size 256, local_cpu with max_local_cpu_size sized like the
            offload arm's CPU cache, remote_url lm://127.0.0.1:PORT, pre_caching_hash_algorithm sha256_cbor and
-           PYTHONHASHSEED=0 so that both replicas key chunks alike). Replica A does what the offload arm does (a
-           request, the GPU prefix cache reset, the same prompt again: the hit from LMCache's local CPU cache) and
+           PYTHONHASHSEED=0 so that both replicas key chunks alike, use_gpu_connector_v3 per
+           --lmcache-gpu-connector: V2, the default, garbles vLLM 0.26's fused K/V page; V3 stops the engine
+           at its first store). Replica A does what
+           the offload arm does (a request, the GPU prefix cache reset, the same prompt again: the hit from
+           LMCache's local CPU cache) and
            waits until LMCache's own cache server (`python -m lmcache.v1.server HOST PORT cpu`, shipped in the wheel,
            one process holding every chunk in its memory) has stopped growing; A stops, B starts with the same
            config and serves the same prompts: B's TTFT is the cross-replica load through the lm:// server. The
            server has no eviction, so the prompts go in rounds that fit --lmcache-server-size, a fresh server
            each. `--lmcache-server none`: A's part only. Needs LMCache importable by the vLLM Python
            (`bash scripts/carry-vllm.sh prepare --lmcache` carries it to the H200); else the arm is skipped.
+  lmcache-mp  LMCache's multiprocess mode, its own design for one cache shared by replicas: `lmcache server`
+           (its CLI; L1 in host memory, --lmcache-l1-size) and vLLM's LMCacheMPConnector in every replica (on CUDA
+           the server moves the K/V itself through CUDA IPC handles of the replica's cache, LMCache's default
+           "auto" transfer mode). A does what the lmcache arm's A does, its settle read on the server's /status;
+           A stops, B starts with the same server: B's TTFT is the cross-replica load. The same needs as lmcache.
 Every replica first serves an unrecorded warm-up (rows kind "warmup"): a process's first request pays one-off
 kernel and allocator costs. kvshare's A stores the warm-up prompt and B loads it, so B's load path is warm too; the
 offload arm warms both of its paths the same way.
@@ -127,12 +135,22 @@ SHOWN = {("none", "ref"): "none (recompute)", ("kvshare", "B"): "kvshare B (cros
          ("offload", "store"): "offload first (compute + store)",
          ("lmcache", "B"): "lmcache B (cross-replica, lm:// server)",
          ("lmcache", "hit"): "lmcache A hit (same replica, reset)",
-         ("lmcache", "store"): "lmcache A first (compute + store)"}
+         ("lmcache", "store"): "lmcache A first (compute + store)",
+         ("lmcache-mp", "B"): "lmcache-mp B (cross-replica, LMCache's server)",
+         ("lmcache-mp", "hit"): "lmcache-mp A hit (same replica, reset)",
+         ("lmcache-mp", "store"): "lmcache-mp A first (compute + store)"}
 HIT_ROLES = {"B", "hit"}  # roles expected to load from a connector
 # What the lmcache arm imports before it starts a replica: LMCache, vLLM's connector for it, and the LMCache adapter
 # that connector builds (scripts/carry_vllm.py's install checks the same three).
 LMCACHE_IMPORTS = ("lmcache", "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector",
                    "lmcache.integration.vllm.vllm_v1_adapter")
+# What the lmcache-mp arm imports first: vLLM's LMCacheMPConnector (0.26 prefers LMCache's own), the adapter it
+# builds, and LMCache's multiprocess cache server.
+LMCACHE_MP_IMPORTS = ("lmcache", "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_mp_connector",
+                      "lmcache.integration.vllm.vllm_multi_process_adapter", "lmcache.v1.multiprocess.server")
+# The L1 fill at which LMCache's server starts evicting (its --eviction-trigger-watermark; its default, 0.8, would
+# evict a round's first prompts while the pool_rounds sizing still counts them held)
+LMCACHE_MP_WATERMARK = 0.95
 # The rate the budget plans with for LMCache's lm:// server (a Python socket server, one connection a replica): its
 # puts and gets of 64 MiB chunks ran at 0.3-0.9 GB/s on a 2-core CPU machine; a planning guess for the H200 host.
 LM_SERVER_GBPS = 1.0
@@ -627,9 +645,9 @@ def arm_offload(run: Run, http, cells) -> None:
 
 
 # ---- lmcache -------------------------------------------------------------------------------------------------------
-def lmcache_missing(settings: Settings) -> str:
-    """Why LMCache cannot run under the vLLM Python, in one line ("" when its imports work)."""
-    code = f"import {', '.join(LMCACHE_IMPORTS)}"
+def lmcache_missing(settings: Settings, modules: tuple[str, ...] = LMCACHE_IMPORTS) -> str:
+    """Why LMCache cannot run under the vLLM Python, in one line ("" when `modules` import)."""
+    code = f"import {', '.join(modules)}"
     try:
         probe = subprocess.run([settings.vllm_python, "-c", code], capture_output=True, text=True, timeout=300,
                                env={**os.environ, **settings.env()}, cwd=settings.work)
@@ -642,12 +660,16 @@ def lmcache_missing(settings: Settings) -> str:
             " on the H200 carry it with `bash scripts/carry-vllm.sh prepare --lmcache` (docs/vllm-on-h200.md)")
 
 
-def write_lmcache_config(path: Path, cpu_bytes: int, remote_url: str | None) -> None:
+def write_lmcache_config(path: Path, cpu_bytes: int, remote_url: str | None, gpu_connector: str) -> None:
     """LMCache's own config file (LMCACHE_CONFIG_FILE; the key names of lmcache/v1/config.py in 0.5.3). Chunks are
     keyed by vLLM's sha256_cbor, seeded by PYTHONHASHSEED, which the replicas' environment fixes, so replica B finds
-    what A stored (LMCache's default, "builtin", is no hash vLLM 0.26 names: it falls back to Python's hash())."""
+    what A stored (LMCache's default, "builtin", is no hash vLLM 0.26 names: it falls back to Python's hash()).
+    `gpu_connector` "v3" sets use_gpu_connector_v3: LMCache's default V2 connector sizes a token by the model's
+    heads x head size and so moves half of each token of vLLM 0.26's fused K/V page, to the wrong place
+    (experiments/lmcache_fused_layout.py); V3 sizes it from the page, but only from its first transfer on, and on
+    the H100 (session fifteen) its first whole-chunk store stopped vLLM's engine on that mismatch."""
     lines = [f"chunk_size: {CHUNK}", "local_cpu: true", f"max_local_cpu_size: {cpu_bytes / 2**30:.2f}",
-             "pre_caching_hash_algorithm: sha256_cbor"]
+             "pre_caching_hash_algorithm: sha256_cbor", f"use_gpu_connector_v3: {json.dumps(gpu_connector == 'v3')}"]
     if remote_url:  # JSON strings are YAML strings
         lines += [f"remote_url: {json.dumps(remote_url)}", "remote_serde: naive"]
     path.write_text("\n".join(lines) + "\n")
@@ -684,9 +706,13 @@ def lmcache_server_bytes(run: Run, cpu_bytes: int) -> int:
     LMCache CPU cache (pinned; A's and B's never overlap) and 16 GiB for the replica itself."""
     if run.args.lmcache_server_size != "auto":
         return parse_size(run.args.lmcache_server_size)
+    return max(1 << 30, available_memory() - cpu_bytes - (16 << 30))
+
+
+def available_memory() -> int:
+    """The host's available memory in bytes (MemAvailable)."""
     with open("/proc/meminfo") as f:
-        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    return max(1 << 30, available - cpu_bytes - (16 << 30))
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
 
 
 def start_lm_server(run: Run) -> tuple[Process, str]:
@@ -710,10 +736,11 @@ def arm_lmcache(run: Run, http, cells) -> None:
     config = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     run.meta["kv_transfer_config"]["lmcache"] = config
     run.meta["lmcache"] = {"max_local_cpu_bytes": cpu_bytes, "server": args.lmcache_server,
+                           "gpu_connector": args.lmcache_gpu_connector,
                            "env": {k: v for k, v in env.items() if k != "LMCACHE_CONFIG_FILE"}}
     if args.lmcache_server == "none":
         run.skip("lmcache", "B", "cross-replica", "--lmcache-server none")
-        write_lmcache_config(config_file, cpu_bytes, None)
+        write_lmcache_config(config_file, cpu_bytes, None, args.lmcache_gpu_connector)
         serve_phase(run, http, "lmcache", "store", config, cells, env, after_start=require_lmcache_started,
                     per_cell=store_then_hit(run, "lmcache", lambda length, rep: time.sleep(args.settle)))
         return
@@ -727,7 +754,7 @@ def arm_lmcache(run: Run, http, cells) -> None:
         print(f"lmcache round {i}: {round_cells}", flush=True)
         server, url = start_lm_server(run)
         try:
-            write_lmcache_config(config_file, cpu_bytes, url)
+            write_lmcache_config(config_file, cpu_bytes, url, args.lmcache_gpu_connector)
             settle = functools.partial(wait_for_server, run, server)  # A's chunks reach the server, then the reset
             stored = serve_phase(run, http, "lmcache", "store", config, round_cells, env,
                                  per_cell=store_then_hit(run, "lmcache", settle), after_start=require_lmcache_started)
@@ -756,7 +783,117 @@ def within_budget(run: Run, arm: str, cells, need) -> list[tuple[int, int]]:
     return cells
 
 
-ARMS = {"none": arm_none, "kvshare": arm_kvshare, "offload": arm_offload, "lmcache": arm_lmcache}
+# ---- lmcache-mp ----------------------------------------------------------------------------------------------------
+def lmcache_mp_l1_bytes(run: Run, cells) -> int:
+    """The L1 of LMCache's cache server: --lmcache-l1-size, or auto: every prompt's K/V and the warm-up's at 85% of
+    the eviction watermark (as pool_rounds counts), at most the host's available memory less 16 GiB for a replica."""
+    if run.args.lmcache_l1_size != "auto":
+        return parse_size(run.args.lmcache_l1_size)
+    kvb = run.meta["kv_bytes_per_token"]
+    need = (sum(length for length, _ in cells) + run.args.warmup_len) * kvb / (0.85 * LMCACHE_MP_WATERMARK)
+    return int(max(1 << 30, min(need + (1 << 30), available_memory() - (16 << 30))))
+
+
+def start_lmcache_mp_server(run: Run, l1_bytes: int) -> tuple[Process, int, str]:
+    """LMCache's multiprocess cache server as its docs start it (`lmcache server`), on loopback: its defaults but
+    the L1 size, the eviction watermark, no metrics (their Prometheus exporter is one of the OpenTelemetry packages
+    the carry leaves out) and a replica reaped 30 s after its last heartbeat (LMCache's floor; default 120 s),
+    should A's connector not unregister as it stops. Returns the process, its ZMQ port and its HTTP status URL."""
+    port, http_port = free_port(), free_port()
+    server = run.spawn("lmcache-mp-server", [
+        run.settings.vllm_python, "-m", "lmcache.cli.main", "server", "--host", "127.0.0.1", "--port", str(port),
+        "--http-host", "127.0.0.1", "--http-port", str(http_port), "--chunk-size", str(CHUNK),
+        "--l1-size-gb", f"{l1_bytes / 2**30:.2f}", "--eviction-policy", "LRU",
+        "--eviction-trigger-watermark", str(LMCACHE_MP_WATERMARK), "--disable-metrics",
+        "--worker-reap-timeout-seconds", "30"],
+        run.settings.env({"LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1"}))
+    status = f"http://127.0.0.1:{http_port}/status"
+    wait_for(lambda: port_open(port) and port_open(http_port), 180, "LMCache's cache server", server)
+    return server, port, status
+
+
+def lmcache_mp_settle(run: Run, server: Process, status: str):
+    """store_then_hit's settle: until the server's L1 holds what A stored (its object count and bytes stand still,
+    no object write-locked, no store in flight) for --store-quiet seconds, at most --store-timeout. A's stores
+    reach the server after its answer (the server copies them out of the replica's KV cache), so the reset must
+    wait for them, as B's start does."""
+    def sample() -> tuple[int, int, int]:
+        if not server.alive():
+            raise RuntimeError(f"LMCache's cache server exited: {last_error_line(server)}")
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+            storage = httpx.get(status, timeout=5, trust_env=False).json()["storage_manager"]
+            l1, stores = storage["l1_manager"], storage["store_controller"]
+            busy = l1["write_locked_count"] + stores["pending_keys_count"] + stores["in_flight_task_count"]
+            return l1["total_object_count"], l1["memory_used_bytes"], busy
+        return -1, -1, 1
+
+    def settle(length: int, rep: int) -> None:
+        waited, timeline, timed_out = wait_until_still(run, sample, busy=lambda sampled: sampled[2] > 0)
+        print(f"  lmcache-mp store {length} rep {rep}: the server stood still {waited:.1f} s after the answer, "
+              f"{timeline[-1][1]} objects, {timeline[-1][2] / 2**30:.1f} GiB" + (" (timed out)" if timed_out else ""),
+              flush=True)
+        run.record({"kind": "lmcache-mp-server", "arm": "lmcache-mp", "role": "store", "repeat": rep,
+                    "length": length, "ttft_s": None, "latency_s": None, "store_settle_s": waited,
+                    "l1_timeline": timeline, "error": "", "timed_out": timed_out})
+
+    return settle
+
+
+def arm_lmcache_mp(run: Run, http, cells) -> None:
+    """LMCache's multiprocess mode: one cache server both replicas talk to (LMCacheMPConnector), LMCache's own
+    design for a cache shared across replicas. A: request, settle, reset, again (the A hit from the server); A stops;
+    B starts and serves the same prompts (B's TTFT: the cross-replica load). Rounds that fit the L1."""
+    missing = lmcache_missing(run.settings, LMCACHE_MP_IMPORTS)
+    if missing:
+        raise RuntimeError(missing)
+    l1_bytes = lmcache_mp_l1_bytes(run, cells)
+    env = {"LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    run.meta["lmcache_mp"] = {"l1_bytes": l1_bytes, "eviction_trigger_watermark": LMCACHE_MP_WATERMARK, "env": env}
+    for i, round_cells in enumerate(pool_rounds(run, cells, int(l1_bytes * LMCACHE_MP_WATERMARK), "lmcache-mp",
+                                                "LMCache server's L1", "--lmcache-l1-size")):
+        round_cells = within_budget(run, "lmcache-mp", round_cells, lambda cells: 2 * run.start_estimate() + sum(
+            run.request_estimate(n, False) + 2 * run.request_estimate(n, True) + run.args.store_quiet
+            for n, _ in cells))
+        if not round_cells:
+            continue
+        print(f"lmcache-mp round {i}: {round_cells}", flush=True)
+        server, port, status = start_lmcache_mp_server(run, l1_bytes)
+        try:
+            config = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
+                "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}}
+            run.meta["kv_transfer_config"]["lmcache-mp"] = {**config, "kv_connector_extra_config": {
+                "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": "PORT"}}
+            stored = serve_phase(run, http, "lmcache-mp", "store", config, round_cells, env,
+                                 per_cell=store_then_hit(run, "lmcache-mp", lmcache_mp_settle(run, server, status)))
+            wait_for_gpu_release(run, "lmcache-mp")
+            serve_phase(run, http, "lmcache-mp", "B", config, stored, env)
+        finally:
+            run.stop(server)
+
+
+def wait_for_gpu_release(run: Run, arm: str, timeout: float = 90.0) -> None:
+    """On CUDA, until at most 10% of the GPU's memory is in use, at most `timeout` s: LMCache's server maps A's KV
+    cache through CUDA IPC, and the driver frees A's memory only once the server has let go of it (A's connector
+    unregisters on shutdown; else the server reaps A after --worker-reap-timeout-seconds). B started before that
+    would find no room for its own cache."""
+    if run.settings.device != "cuda":
+        return
+    started = time.monotonic()
+    used = total = 0.0
+    while time.monotonic() - started < timeout:
+        with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError):
+            query = ["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"]
+            out = subprocess.run(query, capture_output=True, text=True, timeout=20).stdout.splitlines()[0]
+            used, total = (float(x) for x in out.split(","))
+            if used <= 0.1 * total:
+                break
+        time.sleep(1.0)
+    print(f"  {arm}: GPU memory {used:.0f} of {total:.0f} MiB in use {time.monotonic() - started:.1f} s after A "
+          "stopped", flush=True)
+
+
+ARMS = {"none": arm_none, "kvshare": arm_kvshare, "offload": arm_offload, "lmcache": arm_lmcache,
+        "lmcache-mp": arm_lmcache_mp}
 
 
 # ---- report --------------------------------------------------------------------------------------------------------
@@ -862,6 +999,14 @@ def write_report(run: Run) -> dict:
             f"`{LOCAL_HITS}` (local) on the replica around the request; TTFT = first streamed token through "
             f"`kvshare route`; answers equal = the same greedy token ids as the `none` arm's answer",
             ""]
+    if "lmcache" in summary:  # which LMCache setting its rows come from (V2 garbles vLLM 0.26's fused K/V page)
+        lm = summary["lmcache"]
+        text[-1:-1] = [f"- LMCache: GPU connector {lm.get('gpu_connector', 'v2')}, local CPU cache "
+                       f"{lm['max_local_cpu_bytes'] / 2**30:.1f} GiB, server {lm['server']}"]
+    if "lmcache_mp" in summary:
+        mp = summary["lmcache_mp"]
+        text[-1:-1] = [f"- LMCache's multiprocess server: L1 {mp['l1_bytes'] / 2**30:.1f} GiB, eviction from "
+                       f"{mp['eviction_trigger_watermark']:.0%} full"]
     text.append(table(summary))
     timeline = timeline_table(summary)
     if timeline:
@@ -944,8 +1089,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lmcache-server", choices=("lm", "none"), default="lm", help="lm: LMCache's lm:// cache server "
                    "as the remote backend, for replica B's cross-replica load; none: replica A's same-replica part "
                    "only")
+    p.add_argument("--lmcache-gpu-connector", choices=("v2", "v3"), default="v2", help="LMCache's GPU connector: "
+                   "v2, LMCache's default, moves half of each token of vLLM 0.26's fused K/V page to the wrong place "
+                   "(wrong answers); v3 (use_gpu_connector_v3) moves pages whole, but its first whole-chunk store "
+                   "stops vLLM's engine (docs/results/h200-vllm/lmcache-layout). LMCache's working mode on vLLM "
+                   "0.26 is the lmcache-mp arm")
     p.add_argument("--lmcache-server-size", default="auto", help="what one lm:// server may hold (e.g. 64GiB); the "
                    "prompts go in rounds that fit 85%% of it; auto: available memory - LMCache's CPU cache - 16 GiB")
+    p.add_argument("--lmcache-l1-size", default="auto", help="the lmcache-mp arm: L1 of LMCache's cache server "
+                   "(e.g. 64GiB); auto: every prompt's K/V and the warm-up's, within the host's available memory "
+                   "less 16 GiB (prompts then go in rounds)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="cpu: --kv-cache-memory-bytes")
     p.add_argument("--max-model-len", type=int, default=0, help="default: the longest prompt + max tokens, "
