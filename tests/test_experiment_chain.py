@@ -34,3 +34,35 @@ def test_a_missing_previous_is_one_line(tmp_path):
     done = experiment("--previous", str(tmp_path / "nowhere.jsonl"), "--out", str(tmp_path / "out"))
     assert done.returncode == 2
     assert "Traceback" not in done.stderr and "nowhere.jsonl: no such file" in done.stderr.splitlines()[-1]
+
+
+def test_a_bad_floor_rate_is_one_line(tmp_path):
+    done = experiment("--gbps", "fast", "--out", str(tmp_path / "out"))
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and "--gbps 'fast'" in done.stderr.splitlines()[-1]
+
+
+def test_the_report_names_the_weights_and_where_the_floor_rate_came_from(tmp_path):
+    done = experiment("--quantization", "fp8", "--gbps", "50", "--out", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert (summary["quantization"], summary["gbps"], summary["gbps_source"]) == ("fp8", 50.0, "given")
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "weights quantization fp8" in report and "50.0 GB/s (given)" in report
+
+
+def test_answers_are_compared_only_with_a_reference_of_the_same_weights():
+    """An fp8 replica's answer differs from a bf16 one's for reasons that have nothing to do with a cache: a bf16
+    `none` row from an earlier call (rows before --quantization carry no field: bf16) must not be its reference."""
+    sys.path.insert(0, str(EXPERIMENT.parent))
+    import vllm_cross_replica as xr
+
+    bf16_ref = {"arm": "none", "role": "ref", "kind": "measured", "length": 1024, "repeat": 0, "error": ""}
+    for quantization, expected in (("none", bf16_ref), ("fp8", None)):
+        settings = xr.Settings("cpu", "/bin/false", Path("m"), "m", "float32", "dummy", 2048, 8, 0.9, 0, None, True,
+                               Path("w"), quantization)
+        run = xr.Run(None, settings, Path("out"), 0.0, previous=[bf16_ref])
+        assert run.reference(1024, 0) is expected
+    fp8_ref = {**bf16_ref, "quantization": "fp8"}
+    run = xr.Run(None, settings, Path("out"), 0.0, previous=[bf16_ref, fp8_ref])
+    assert run.reference(1024, 0) is fp8_ref
