@@ -722,6 +722,19 @@ def lmcache_server_bytes(run: Run, cpu_bytes: int) -> int:
     return max(1 << 30, available_memory() - cpu_bytes - (16 << 30))
 
 
+def auto_pool_bytes(need: int, replica_bytes: int) -> int:
+    """--pool-size auto: every prompt's K/V and the warm-up's at 85% of the pool, but no more than /dev/shm's free
+    space or the available memory less `replica_bytes` for a replica (a host with less runs the prompts in rounds,
+    pool_rounds, instead of the pool refusing to start); at least 1 GiB."""
+    wanted = int(need / 0.85) + (256 << 20)
+    shm = os.statvfs("/dev/shm")
+    room = min(shm.f_bavail * shm.f_frsize, available_memory() - replica_bytes)
+    if wanted > room:
+        print(f"pool: {gib(wanted)} would hold every prompt at once; this host has room for {gib(room)}, so the "
+              "prompts go in rounds", flush=True)
+    return max(1 << 30, min(wanted, room))
+
+
 def available_memory() -> int:
     """The host's available memory in bytes (MemAvailable)."""
     with open("/proc/meminfo") as f:
@@ -1092,7 +1105,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--arms", default="none,kvshare,offload", help="comma-separated, of " + ",".join(ARMS) +
                    " (run in this order; `none` gives the references, so it goes first)")
     p.add_argument("--pool-size", default="auto", help="kvshare pool arena (e.g. 96GiB); auto: every prompt's K/V "
-                   "+ the warm-up's, / 0.85, at least 1 GiB")
+                   "+ the warm-up's, / 0.85, within /dev/shm's free space and the available memory less 16 GiB "
+                   "(cpu: 2; else the prompts go in rounds), at least 1 GiB")
     p.add_argument("--kvshare-config", type=json.loads, default={}, help="JSON merged into kvshare's "
                    "kv_connector_extra_config (e.g. '{\"stream_priority\": \"high\"}'; default: none)")
     p.add_argument("--offload-connector", default="OffloadingConnector",
@@ -1253,8 +1267,8 @@ def main() -> None:
     kvb = kv_bytes_per_token(model, args.dtype)
     cells = [(length, rep) for rep in range(args.first_rep, args.first_rep + args.reps) for length in args.lengths]
     need = (sum(length for length, _ in cells) + args.warmup_len) * kvb
-    pool_bytes = max(1 << 30, int(need / 0.85) + (256 << 20)) if args.pool_size == "auto" else \
-        parse_size(args.pool_size)
+    pool_bytes = (auto_pool_bytes(need, (16 if args.device == "cuda" else 2) << 30) if args.pool_size == "auto"
+                  else parse_size(args.pool_size))
     m = machine()
     m["gpu"] = gpu_name()
     meta = {"device": args.device, "model": args.preset or model.name, "dtype": args.dtype,

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENT = ROOT / "experiments" / "vllm_cross_replica.py"
@@ -66,3 +67,29 @@ def test_answers_are_compared_only_with_a_reference_of_the_same_weights():
     fp8_ref = {**bf16_ref, "quantization": "fp8"}
     run = xr.Run(None, settings, Path("out"), 0.0, previous=[bf16_ref, fp8_ref])
     assert run.reference(1024, 0) is fp8_ref
+
+
+def test_the_auto_pool_fits_the_host_and_the_prompts_then_go_in_rounds(monkeypatch):
+    """A pool larger than /dev/shm or the memory would refuse to start, losing the kvshare arm: auto takes what fits
+    and pool_rounds splits the prompts (A stores a round, B loads it)."""
+    sys.path.insert(0, str(EXPERIMENT.parent))
+    import vllm_cross_replica as xr
+
+    gib = 1 << 30
+    monkeypatch.setattr(xr, "available_memory", lambda: 40 * gib)
+    monkeypatch.setattr(xr.os, "statvfs", lambda path: SimpleNamespace(f_bavail=64 * gib // 4096, f_frsize=4096))
+    assert xr.auto_pool_bytes(10 * gib, 16 * gib) == int(10 * gib / 0.85) + (256 << 20)  # fits: all at once
+    assert xr.auto_pool_bytes(100 * gib, 16 * gib) == 24 * gib  # memory less the replica's share
+    assert xr.auto_pool_bytes(100 * gib, 40 * gib) == gib  # never below 1 GiB
+
+    settings = xr.Settings("cpu", "/bin/false", Path("m"), "m", "float32", "dummy", 2048, 8, 0.9, 0, None, True,
+                           Path("w"))
+    args = type("Args", (), {"warmup_len": 0})()
+    run = xr.Run(args, settings, Path("out"), 0.0, meta={"pool_bytes": 24 * gib, "kv_bytes_per_token": 1 << 18})
+    cells = [(131072, 0), (131072, 1), (32768, 0)]  # 32, 32 and 8 GiB of K/V; 85% of 24 GiB holds 20.4 GiB
+    assert xr.pool_rounds(run, cells) == [[(32768, 0)]]  # the 128k prompts cannot fit: skipped, saying why
+    assert [s["what"] for s in run.skipped] == ["131072 tokens rep 0", "131072 tokens rep 1"]
+    run = xr.Run(args, settings, Path("out"), 0.0, meta={"pool_bytes": 80 * gib, "kv_bytes_per_token": 1 << 18})
+    assert xr.pool_rounds(run, cells) == [[(131072, 0), (131072, 1)], [(32768, 0)]]  # 85% of 80 GiB: 68 GiB
+    monkeypatch.setattr(xr.os, "statvfs", lambda path: SimpleNamespace(f_bavail=10 * gib // 4096, f_frsize=4096))
+    assert xr.auto_pool_bytes(100 * gib, 16 * gib) == 10 * gib  # /dev/shm's free space, when it is the smaller
