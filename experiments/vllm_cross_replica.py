@@ -47,7 +47,7 @@ Floor: the prompt's K/V bytes (from config.json: layers x KV heads x head dim x 
 `--gbps`: by default on cuda this host's pinned host->device rate, measured at the start of the call before any
 replica holds the GPU (experiments/h200_floor.py: 4 GiB, median of 5); on cpu 55.2 GB/s, the H200 host's rate.
 Weights: `--quantization fp8` has every replica of every arm quantize its bf16 weights to fp8 as it loads them
-(vLLM's online quantization, layer by layer also for dummy weights): ~33 GB instead of 61 GiB for the 32B shape,
+(vLLM's online quantization, layer by layer also for dummy weights): ~32 GiB instead of 61 GiB for the 32B shape,
 so that 128k fits one 80 GB H100 beside them. The K/V stays bf16, so what a hit moves is unchanged; each row
 carries the setting, and a row's answer is compared only with a `none` answer of the same setting.
 
