@@ -144,6 +144,9 @@ SHOWN = {("none", "ref"): "none (recompute)", ("kvshare", "B"): "kvshare B (cros
          ("lmcache-mp", "B"): "lmcache-mp B (cross-replica, LMCache's server)",
          ("lmcache-mp", "hit"): "lmcache-mp A hit (same replica, reset)",
          ("lmcache-mp", "store"): "lmcache-mp A first (compute + store)"}
+# Host memory a stored cache leaves for a running replica (vLLM's process, its pinned buffers): the auto sizes of
+# kvshare's pool, LMCache's lm:// server and LMCache's L1 take what is available less this (cpu: 2 GiB)
+REPLICA_HOST_BYTES = {"cuda": 16 << 30, "cpu": 2 << 30}
 H200_GBPS = 55.2  # the H200 host's pinned host->device rate (FACTS): the floor on cpu, where none is measured
 HIT_ROLES = {"B", "hit"}  # roles expected to load from a connector
 # What the lmcache arm imports before it starts a replica: LMCache, vLLM's connector for it, and the LMCache adapter
@@ -719,7 +722,7 @@ def lmcache_server_bytes(run: Run, cpu_bytes: int) -> int:
     LMCache CPU cache (pinned; A's and B's never overlap) and 16 GiB for the replica itself."""
     if run.args.lmcache_server_size != "auto":
         return parse_size(run.args.lmcache_server_size)
-    return max(1 << 30, available_memory() - cpu_bytes - (16 << 30))
+    return max(1 << 30, available_memory() - cpu_bytes - REPLICA_HOST_BYTES["cuda"])
 
 
 def auto_pool_bytes(need: int, replica_bytes: int) -> int:
@@ -817,7 +820,7 @@ def lmcache_mp_l1_bytes(run: Run, cells) -> int:
         return parse_size(run.args.lmcache_l1_size)
     kvb = run.meta["kv_bytes_per_token"]
     need = (sum(length for length, _ in cells) + run.args.warmup_len) * kvb / (0.85 * LMCACHE_MP_WATERMARK)
-    return int(max(1 << 30, min(need + (1 << 30), available_memory() - (16 << 30))))
+    return int(max(1 << 30, min(need + (1 << 30), available_memory() - REPLICA_HOST_BYTES["cuda"])))
 
 
 def start_lmcache_mp_server(run: Run, l1_bytes: int) -> tuple[Process, int, str]:
@@ -1217,9 +1220,12 @@ def floor_rate(args) -> tuple[float, str]:
     try:
         probe = subprocess.run([sys.executable, str(ROOT / "experiments" / "h200_floor.py")], capture_output=True,
                                text=True, timeout=180)
-        rate = float(re.search(r"h2d ([0-9.]+) GB/s", probe.stdout).group(1))
-    except (subprocess.SubprocessError, OSError, AttributeError, ValueError) as error:
-        print(f"floor: not measured ({type(error).__name__}); {H200_GBPS} GB/s, the H200 host's", flush=True)
+        found = re.search(r"h2d ([0-9.]+) GB/s", probe.stdout)
+        if found is None:  # the probe failed (no GPU, out of memory): its last line says why
+            raise ValueError((probe.stderr.strip().splitlines() or ["no output"])[-1])
+        rate = float(found.group(1))
+    except (subprocess.SubprocessError, OSError, ValueError) as error:
+        print(f"floor: not measured ({type(error).__name__}: {error}); {H200_GBPS} GB/s, the H200 host's", flush=True)
         return H200_GBPS, f"the H200 host's rate; measuring failed: {type(error).__name__}"
     print(f"floor: {rate:.1f} GB/s host->device, measured", flush=True)
     return rate, "measured: 4 GiB pinned host->device, median of 5"
@@ -1267,7 +1273,7 @@ def main() -> None:
     kvb = kv_bytes_per_token(model, args.dtype)
     cells = [(length, rep) for rep in range(args.first_rep, args.first_rep + args.reps) for length in args.lengths]
     need = (sum(length for length, _ in cells) + args.warmup_len) * kvb
-    pool_bytes = (auto_pool_bytes(need, (16 if args.device == "cuda" else 2) << 30) if args.pool_size == "auto"
+    pool_bytes = (auto_pool_bytes(need, REPLICA_HOST_BYTES[args.device]) if args.pool_size == "auto"
                   else parse_size(args.pool_size))
     m = machine()
     m["gpu"] = gpu_name()

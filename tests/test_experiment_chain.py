@@ -15,6 +15,20 @@ ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENT = ROOT / "experiments" / "vllm_cross_replica.py"
 
 
+def harness():
+    """The experiment as a module, for its pure parts (no vLLM, no processes)."""
+    if str(EXPERIMENT.parent) not in sys.path:
+        sys.path.insert(0, str(EXPERIMENT.parent))
+    import vllm_cross_replica
+
+    return vllm_cross_replica
+
+
+def cpu_settings(xr, quantization: str = "none"):
+    return xr.Settings("cpu", "/bin/false", Path("m"), "m", "float32", "dummy", 2048, 8, 0.9, 0, None, True, Path("w"),
+                       quantization)
+
+
 def experiment(*args: str) -> subprocess.CompletedProcess:
     # /bin/false as vLLM: no replica would start, and none is tried (the budget skips every start first).
     command = [sys.executable, str(EXPERIMENT), "--device", "cpu", "--vllm-python", "/bin/false", "--arms", "kvshare",
@@ -55,13 +69,10 @@ def test_the_report_names_the_weights_and_where_the_floor_rate_came_from(tmp_pat
 def test_answers_are_compared_only_with_a_reference_of_the_same_weights():
     """An fp8 replica's answer differs from a bf16 one's for reasons that have nothing to do with a cache: a bf16
     `none` row from an earlier call (rows before --quantization carry no field: bf16) must not be its reference."""
-    sys.path.insert(0, str(EXPERIMENT.parent))
-    import vllm_cross_replica as xr
-
+    xr = harness()
     bf16_ref = {"arm": "none", "role": "ref", "kind": "measured", "length": 1024, "repeat": 0, "error": ""}
     for quantization, expected in (("none", bf16_ref), ("fp8", None)):
-        settings = xr.Settings("cpu", "/bin/false", Path("m"), "m", "float32", "dummy", 2048, 8, 0.9, 0, None, True,
-                               Path("w"), quantization)
+        settings = cpu_settings(xr, quantization)
         run = xr.Run(None, settings, Path("out"), 0.0, previous=[bf16_ref])
         assert run.reference(1024, 0) is expected
     fp8_ref = {**bf16_ref, "quantization": "fp8"}
@@ -72,9 +83,7 @@ def test_answers_are_compared_only_with_a_reference_of_the_same_weights():
 def test_the_auto_pool_fits_the_host_and_the_prompts_then_go_in_rounds(monkeypatch):
     """A pool larger than /dev/shm or the memory would refuse to start, losing the kvshare arm: auto takes what fits
     and pool_rounds splits the prompts (A stores a round, B loads it)."""
-    sys.path.insert(0, str(EXPERIMENT.parent))
-    import vllm_cross_replica as xr
-
+    xr = harness()
     gib = 1 << 30
     monkeypatch.setattr(xr, "available_memory", lambda: 40 * gib)
     monkeypatch.setattr(xr.os, "statvfs", lambda path: SimpleNamespace(f_bavail=64 * gib // 4096, f_frsize=4096))
@@ -82,8 +91,7 @@ def test_the_auto_pool_fits_the_host_and_the_prompts_then_go_in_rounds(monkeypat
     assert xr.auto_pool_bytes(100 * gib, 16 * gib) == 24 * gib  # memory less the replica's share
     assert xr.auto_pool_bytes(100 * gib, 40 * gib) == gib  # never below 1 GiB
 
-    settings = xr.Settings("cpu", "/bin/false", Path("m"), "m", "float32", "dummy", 2048, 8, 0.9, 0, None, True,
-                           Path("w"))
+    settings = cpu_settings(xr)
     args = type("Args", (), {"warmup_len": 0})()
     run = xr.Run(args, settings, Path("out"), 0.0, meta={"pool_bytes": 24 * gib, "kv_bytes_per_token": 1 << 18})
     cells = [(131072, 0), (131072, 1), (32768, 0)]  # 32, 32 and 8 GiB of K/V; 85% of 24 GiB holds 20.4 GiB
