@@ -270,6 +270,8 @@ class Run:
     def record(self, row: dict) -> None:
         if row["kind"] == "measured":  # reference() compares answers only within one weights setting
             row.setdefault("quantization", self.settings.quantization)
+            # the floor of the machine that measured it: a --previous call may have run on another card or host
+            row.setdefault("gbps", self.meta.get("gbps"))
         self.rows.append(row)
         with open(self.out / "rows.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -927,11 +929,10 @@ ARMS = {"none": arm_none, "kvshare": arm_kvshare, "offload": arm_offload, "lmcac
 
 # ---- report --------------------------------------------------------------------------------------------------------
 def summarise(run: Run) -> dict:
-    kvb, gbps = run.meta["kv_bytes_per_token"], run.meta["gbps"]
+    kvb = run.meta["kv_bytes_per_token"]
     rows = [r for r in [*run.previous, *run.rows] if r["kind"] == "measured"]
     cells = []
     for length in sorted({r["length"] for r in rows}):
-        floor = length * kvb / (gbps * 1e9)
         off = [r["ttft_s"] for r in rows if (r["arm"], r["role"]) == ("none", "ref") and r["length"] == length
                and r["ttft_s"] is not None]
         for (arm, role), label in SHOWN.items():
@@ -943,6 +944,7 @@ def summarise(run: Run) -> dict:
             local = [r["local_hit_tokens"] for r in mine if r["local_hit_tokens"] is not None]
             compared = [r for r in mine if r["exact"] is not None]
             median = statistics.median(ttfts) if ttfts else None
+            gbps = row_rate(mine, run.meta["gbps"])
             cells.append({
                 "length": length, "arm": arm, "role": role, "label": label, "n": len(ttfts),
                 "errors": sum(1 for r in mine if r["error"]), "median_ttft_s": median,
@@ -952,7 +954,7 @@ def summarise(run: Run) -> dict:
                 "answers_equal": sum(1 for r in compared if r["exact"]), "answers_compared": len(compared),
                 "first_token_equal": sum(1 for r in compared if r["first_token_equal"]),
                 "speedup_vs_none": statistics.median(off) / median if off and median else None,
-                "floor_s": floor, "kv_bytes": length * kvb,
+                "gbps": gbps, "floor_s": length * kvb / (gbps * 1e9), "kv_bytes": length * kvb,
                 "timeline": {field: median_of(mine, field) for field in TIMELINE}})
     # each stores row with the bytes its pool held at the end (a --previous call's rows are told apart by them)
     stores = [{**{k: r[k] for k in ("arm", "role", "store_settle_s", "timed_out")},
@@ -966,6 +968,12 @@ def summarise(run: Run) -> dict:
             "registrations": registrations,
             "skipped": run.skipped,
             "arm_failures": run.arm_failures, "rows": len(run.rows), "previous_rows": len(run.previous)}
+
+
+def row_rate(rows: list[dict], this_call: float) -> float:
+    """The floor's GB/s for these rows: the median of the rates their calls measured. Rows from before rows carried
+    a rate (and a call that measured none) take this call's."""
+    return statistics.median(r.get("gbps") or this_call for r in rows)
 
 
 def median_of(rows: list[dict], field: str) -> float | None:
@@ -1011,6 +1019,15 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def floor_rates(summary: dict) -> str:
+    """The report's floor rate: this call's, and where --previous rows ran elsewhere, each row's own."""
+    mine = f"{summary['gbps']:.1f} GB/s ({summary.get('gbps_source', 'given')})"
+    rates = sorted({round(c["gbps"], 1) for c in summary["cells"]})
+    if rates in ([], [round(summary["gbps"], 1)]):
+        return mine
+    return f"the rate measured where each row ran ({', '.join(f'{r:.1f}' for r in rates)} GB/s; this call's {mine})"
+
+
 def write_report(run: Run) -> dict:
     summary = summarise(run)
     (run.out / "summary.json").write_text(tidy(json.dumps(summary, indent=1)))
@@ -1025,7 +1042,7 @@ def write_report(run: Run) -> dict:
             f"quantization {summary.get('quantization', 'none')}), "
             f"{summary['kv_bytes_per_token']} B of K/V per token; max tokens {summary['max_tokens']} greedy, ids via "
             f"{summary.get('answer_ids', 'return_token_ids')}",
-            f"- floor = K/V bytes / {summary['gbps']:.1f} GB/s ({summary.get('gbps_source', 'given')}); "
+            f"- floor = K/V bytes / {floor_rates(summary)}; "
             f"hits = change of `{EXTERNAL_HITS}` (external) and "
             f"`{LOCAL_HITS}` (local) on the replica around the request; TTFT = first streamed token through "
             f"`kvshare route`; answers equal = the same greedy token ids as the `none` arm's answer",

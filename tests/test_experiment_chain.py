@@ -101,3 +101,25 @@ def test_the_auto_pool_fits_the_host_and_the_prompts_then_go_in_rounds(monkeypat
     assert xr.pool_rounds(run, cells) == [[(131072, 0), (131072, 1)], [(32768, 0)]]  # 85% of 80 GiB: 68 GiB
     monkeypatch.setattr(xr.os, "statvfs", lambda path: SimpleNamespace(f_bavail=10 * gib // 4096, f_frsize=4096))
     assert xr.auto_pool_bytes(100 * gib, 16 * gib) == 10 * gib  # /dev/shm's free space, when it is the smaller
+
+
+def test_each_row_keeps_the_floor_of_the_machine_that_measured_it(tmp_path):
+    """A chain's calls can land on different machines (a released machine comes back as a fresh one: session
+    seventeen's calls measured 55.1, 55.2 and 51.4 GB/s). A row keeps its call's rate, and each cell's floor is its
+    own rows' rate, not the last call's."""
+    xr = harness()
+    row = {"kind": "measured", "role": "B", "length": 131072, "repeat": 0, "ttft_s": 1.0, "error": "",
+           "external_hit_tokens": 131056.0, "local_hit_tokens": 0.0, "exact": True, "first_token_equal": True}
+    earlier = [{**row, "arm": "kvshare", "gbps": 55.2}, {**row, "arm": "none", "role": "ref", "exact": None}]
+    meta = {"kv_bytes_per_token": 1 << 18, "gbps": 51.4}
+    run = xr.Run(None, cpu_settings(xr), tmp_path, 0.0, previous=earlier, meta=meta)
+    run.record({**row, "arm": "lmcache-mp"})
+    assert json.loads((tmp_path / "rows.jsonl").read_text())["gbps"] == 51.4  # stamped with this call's rate
+    floors = {c["arm"]: c["floor_s"] for c in xr.summarise(run)["cells"]}
+    kv = 131072 * (1 << 18)
+    assert floors == {"kvshare": kv / 55.2e9, "lmcache-mp": kv / 51.4e9, "none": kv / 51.4e9}  # none: no rate
+    summary = {**meta, "gbps_source": "given", "cells": xr.summarise(run)["cells"]}
+    assert xr.floor_rates(summary) == "the rate measured where each row ran (51.4, 55.2 GB/s; this call's 51.4 GB/s " \
+        "(given))"
+    assert xr.floor_rates({**summary, "cells": [c for c in summary["cells"] if c["arm"] != "kvshare"]}) == \
+        "51.4 GB/s (given)"
