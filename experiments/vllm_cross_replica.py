@@ -357,6 +357,7 @@ class Run:
         bounded = httpx.Client(timeout=httpx.Timeout(max(5.0, min(self.args.request_timeout, self.left() - 5)),
                                                      connect=5), trust_env=False)
         before = metrics_snapshot(http, replica.url)
+        log_offset = log_size(replica.process.log_path)
         with bounded:
             reply: Reply = complete(bounded, replica, self.settings.served_name, prompt, self.settings.max_tokens,
                                     via=router, answer_ids=self.args.answer_ids)
@@ -371,10 +372,34 @@ class Run:
                "exact": exact, "first_token_equal": first, "error": reply.error, "tokens": reply.token_ids,
                "t_s": round(time.monotonic() - self.started, 1),
                **{field: grown(before, after, series) for field, series in TIMELINE.items()}}
+        if self.args.timed_hooks and arm == "kvshare":
+            row["kvshare_hooks"] = hook_seconds(replica.process.log_path, log_offset)
         if reply.error and not replica.process.alive():
             row["error"] += f" (replica died: {last_error_line(replica.process)})"
         self.record(row)
         return row
+
+
+def log_size(path: Path) -> int:
+    with contextlib.suppress(OSError):
+        return path.stat().st_size
+    return 0
+
+
+HOOK_LINE = re.compile(r"kvshare-timing (\w+) ([0-9.]+)")
+
+
+def hook_seconds(log_path: Path, offset: int) -> dict[str, float]:
+    """The seconds each timed connector hook took (summed by hook; hooks under 1 ms are not logged) in what the
+    replica logged after `offset`: one request's, when the request ran alone. Taken once vLLM has recorded the request
+    as finished (metrics_snapshot), so the hooks of its last step have run."""
+    with contextlib.suppress(OSError), open(log_path, "rb") as log:
+        log.seek(offset)
+        hooks: dict[str, float] = {}
+        for match in HOOK_LINE.finditer(log.read().decode(errors="replace")):
+            hooks[match.group(1)] = round(hooks.get(match.group(1), 0.0) + float(match.group(2)), 4)
+        return hooks
+    return {}
 
 
 def root_cause(process: Process) -> str:
@@ -607,8 +632,12 @@ def arm_kvshare(run: Run, http, cells) -> None:
         extra = {"pool": str(sock), "chunk_tokens": CHUNK, **run.args.kvshare_config}
         if s.load_format == "dummy":
             extra["model_id"] = f"dummy-weights-{s.served_name}"  # no weight files to name the weights by
-        config = {"kv_connector": "KVShareConnector", "kv_connector_module_path": "kvshare.integrations.vllm",
-                  "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+        # --timed-hooks: the connector with each hook timed (experiments/timed_connector.py; ROOT is on the
+        # replica's PYTHONPATH, and experiments/ imports as a namespace package)
+        connector = (("TimedKVShareConnector", "experiments.timed_connector") if run.args.timed_hooks
+                     else ("KVShareConnector", "kvshare.integrations.vllm"))
+        config = {"kv_connector": connector[0], "kv_connector_module_path": connector[1], "kv_role": "kv_both",
+                  "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
         run.meta["kv_transfer_config"]["kvshare"] = config
         for i, round_cells in enumerate(pool_rounds(run, cells)):
             # B must have room too: A's phase only if both fit (B's requests are loads, its start a full start)
@@ -955,7 +984,8 @@ def summarise(run: Run) -> dict:
                 "first_token_equal": sum(1 for r in compared if r["first_token_equal"]),
                 "speedup_vs_none": statistics.median(off) / median if off and median else None,
                 "gbps": gbps, "floor_s": length * kvb / (gbps * 1e9), "kv_bytes": length * kvb,
-                "timeline": {field: median_of(mine, field) for field in TIMELINE}})
+                "timeline": {field: median_of(mine, field) for field in TIMELINE},
+                "hooks": median_hooks(mine)})
     # each stores row with the bytes its pool held at the end (a --previous call's rows are told apart by them)
     stores = [{**{k: r[k] for k in ("arm", "role", "store_settle_s", "timed_out")},
                "committed_bytes": r["commit_timeline"][-1][1] if r.get("commit_timeline") else None,
@@ -974,6 +1004,13 @@ def row_rate(rows: list[dict], this_call: float) -> float:
     """The floor's GB/s for these rows: the median of the rates their calls measured. Rows from before rows carried
     a rate (and a call that measured none) take this call's."""
     return statistics.median(r.get("gbps") or this_call for r in rows)
+
+
+def median_hooks(rows: list[dict]) -> dict[str, float]:
+    """Each timed hook's median over the rows that were timed (--timed-hooks); a hook a row did not log counts 0."""
+    timed = [r["kvshare_hooks"] for r in rows if r.get("kvshare_hooks") is not None]
+    names = sorted({name for hooks in timed for name in hooks})
+    return {name: statistics.median(hooks.get(name, 0.0) for hooks in timed) for name in names}
 
 
 def median_of(rows: list[dict], field: str) -> float | None:
@@ -1061,6 +1098,11 @@ def write_report(run: Run) -> dict:
         text += ["", "Where a hit's time went (medians; from each replica's /metrics around the request: vLLM's "
                  "per-request histograms and kvshare's counters, so \"outside vLLM\" is TTFT less vLLM's own):", "",
                  timeline]
+    for c in summary["cells"]:
+        if c.get("hooks"):
+            text += ["", f"- {c['label']}, {c['length']} tokens: kvshare's connector hooks over 1 ms (medians, "
+                     "seconds, summed over the request's steps; --timed-hooks): "
+                     + ", ".join(f"{name} {seconds:.4f}" for name, seconds in c["hooks"].items())]
     for st in summary["stores"]:
         held = "" if st.get("committed_bytes") is None else f", {st['committed_bytes'] / 2**20:.0f} MiB committed"
         text += ["", f"- {st['arm']} {st['role']}" + (" (a --previous call)" if st.get("previous") else "")
@@ -1129,6 +1171,9 @@ def parse_args() -> argparse.Namespace:
                    "(cpu: 2; else the prompts go in rounds), at least 1 GiB")
     p.add_argument("--kvshare-config", type=json.loads, default={}, help="JSON merged into kvshare's "
                    "kv_connector_extra_config (e.g. '{\"stream_priority\": \"high\"}'; default: none)")
+    p.add_argument("--timed-hooks", action="store_true", help="kvshare's replicas run the connector with each hook "
+                   "timed (experiments/timed_connector.py): the hooks over 1 ms, per request, in rows and report "
+                   "(default: off)")
     p.add_argument("--offload-connector", default="OffloadingConnector",
                    choices=("OffloadingConnector", "SimpleCPUOffloadConnector"))
     p.add_argument("--offload-bytes", type=int, default=0, help="the offload connector's cpu_bytes_to_use "

@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENT = ROOT / "experiments" / "vllm_cross_replica.py"
 
@@ -123,3 +125,23 @@ def test_each_row_keeps_the_floor_of_the_machine_that_measured_it(tmp_path):
         "(given))"
     assert xr.floor_rates({**summary, "cells": [c for c in summary["cells"] if c["arm"] != "kvshare"]}) == \
         "51.4 GB/s (given)"
+
+
+def test_timed_hooks_are_read_per_request_and_reported(tmp_path):
+    """--timed-hooks: a request's row holds the hook seconds its replica logged after the request began (summed by
+    hook, earlier lines left out), and a cell takes each hook's median over its rows (a hook one row lacks counts 0)."""
+    xr = harness()
+    log = tmp_path / "vllm-kvshare-B.log"
+    log.write_text("(EngineCore pid=7) WARNING 12-05 [timed_connector.py:33] kvshare-timing start_load_kv 9.0 pid=7\n")
+    offset = xr.log_size(log)
+    with open(log, "a") as f:
+        f.write("(EngineCore pid=7) WARNING 12-05 [timed_connector.py:33] kvshare-timing start_load_kv 0.6800 pid=7\n"
+                "(APIServer pid=5) INFO 12-05 POST /v1/completions\n"
+                "(EngineCore pid=7) WARNING 12-05 [timed_connector.py:33] kvshare-timing "
+                "get_num_new_matched_tokens 0.0120 pid=7\n"
+                "(EngineCore pid=7) WARNING 12-05 [timed_connector.py:33] kvshare-timing start_load_kv 0.0050 pid=7\n")
+    hooks = xr.hook_seconds(log, offset)
+    assert hooks == {"start_load_kv": 0.685, "get_num_new_matched_tokens": 0.012}
+    assert xr.hook_seconds(tmp_path / "gone.log", 0) == {}
+    rows = [{"kvshare_hooks": hooks}, {"kvshare_hooks": {"start_load_kv": 0.705}}, {"other": 1}]
+    assert xr.median_hooks(rows) == pytest.approx({"get_num_new_matched_tokens": 0.006, "start_load_kv": 0.695})
