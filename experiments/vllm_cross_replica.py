@@ -46,6 +46,10 @@ cache) around it, read from its /metrics.
 Floor: the prompt's K/V bytes (from config.json: layers x KV heads x head dim x 2 x dtype bytes per token) over
 `--gbps`: by default on cuda this host's pinned host->device rate, measured at the start of the call before any
 replica holds the GPU (experiments/h200_floor.py: 4 GiB, median of 5); on cpu 55.2 GB/s, the H200 host's rate.
+Each measured row keeps its call's rate, and each cell's floor comes from its own rows: a `--previous` call may have
+run on another machine (three H100s of one session measured 51.4-55.2 GB/s).
+Hooks: with `--timed-hooks` kvshare's replicas run experiments/timed_connector.py's connector, and each kvshare row
+holds the seconds each connector hook took (those over 1 ms) during its request, read from the replica's log.
 Weights: `--quantization fp8` has every replica of every arm quantize its bf16 weights to fp8 as it loads them
 (vLLM's online quantization, layer by layer also for dummy weights): ~32 GiB instead of 61 GiB for the 32B shape,
 so that 128k fits one 80 GB H100 beside them. The K/V stays bf16, so what a hit moves is unchanged; each row
