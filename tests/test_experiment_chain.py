@@ -127,7 +127,7 @@ def test_each_row_keeps_the_floor_of_the_machine_that_measured_it(tmp_path):
         "51.4 GB/s (given)"
 
 
-def test_timed_hooks_are_read_per_request_and_reported(tmp_path):
+def test_timed_hooks_are_read_per_request_and_summarised_per_cell(tmp_path):
     """--timed-hooks: a request's row holds the hook seconds its replica logged after the request began (summed by
     hook, earlier lines left out), and a cell takes each hook's median over its rows (a hook one row lacks counts 0)."""
     xr = harness()
