@@ -16,9 +16,10 @@ import time
 from kvshare.integrations.vllm import KVShareConnector
 
 log = logging.getLogger("vllm.kvshare.timing")
+# wait_for_layer_load and save_kv_layer run once a layer: logged only when one call passes 1 ms (a wait that blocks)
 HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "update_connector_output",
-         "request_finished", "start_load_kv", "wait_for_save", "get_finished", "build_connector_worker_meta",
-         "get_block_ids_with_load_errors")
+         "request_finished", "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished",
+         "build_connector_worker_meta", "get_block_ids_with_load_errors")
 
 
 def _timed(name, method):
