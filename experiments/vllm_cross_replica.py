@@ -361,7 +361,8 @@ class Run:
         bounded = httpx.Client(timeout=httpx.Timeout(max(5.0, min(self.args.request_timeout, self.left() - 5)),
                                                      connect=5), trust_env=False)
         before = metrics_snapshot(http, replica.url)
-        log_offset = log_size(replica.process.log_path)
+        timed = self.args.timed_hooks and arm == "kvshare"  # the replica's log from here on holds this request's hooks
+        log_offset = log_size(replica.process.log_path) if timed else 0
         with bounded:
             reply: Reply = complete(bounded, replica, self.settings.served_name, prompt, self.settings.max_tokens,
                                     via=router, answer_ids=self.args.answer_ids)
@@ -376,7 +377,7 @@ class Run:
                "exact": exact, "first_token_equal": first, "error": reply.error, "tokens": reply.token_ids,
                "t_s": round(time.monotonic() - self.started, 1),
                **{field: grown(before, after, series) for field, series in TIMELINE.items()}}
-        if self.args.timed_hooks and arm == "kvshare":
+        if timed:
             row["kvshare_hooks"] = hook_seconds(replica.process.log_path, log_offset)
         if reply.error and not replica.process.alive():
             row["error"] += f" (replica died: {last_error_line(replica.process)})"
