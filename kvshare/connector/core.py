@@ -83,6 +83,12 @@ class PoolHit(msgspec.Struct, frozen=True):
     def num_chunks(self) -> int:
         return len(self.pages)
 
+    def held(self, chunk_tokens: int) -> int:
+        """Tokens from the prompt's start that the pool held as whole chunks when the hit was found: the chunks before
+        the hit's first (full: only a prompt's last chunk can be a tail; LOOKUP found them too) and the hit's own. It
+        may pass `end`, which stops before the prompt's last token."""
+        return self.first_chunk * chunk_tokens + sum(self.counts)
+
 
 @dataclass(frozen=True)
 class EngineKV:

@@ -324,14 +324,64 @@ def test_corrupted_chunk_is_recomputed(deployment):
     chunks_before = deployment.pool_stats().chunks
     from_a = deployment.a.complete(prompt)
     deployment.wait_chunks(chunks_before + (len(prompt) - 1) // CHUNK)
-    noise, step = random.Random(0), 16 << 20
-    with open(deployment.arena, "r+b") as arena:  # scribble over every page, stored chunks included
-        for _ in range(0, os.path.getsize(deployment.arena), step):
-            arena.write(noise.randbytes(step))
+    scribble(deployment.arena)
     discarded_before = deployment.pool_stats().discarded_chunks
     assert deployment.b.complete(prompt) == from_a == deployment.reference.complete(prompt)
     assert "checksum" in deployment.b.log_path.read_text(errors="replace")
     assert deployment.pool_stats().discarded_chunks > discarded_before  # I11: gone after one failed load
+
+
+def test_a_load_that_fails_stores_nothing_its_forward_computed(deployment):
+    """B's prompt extends what A stored. B loads A's chunks, they fail their checksums, and B's forward has already
+    computed the rest of the prompt on those bytes when vLLM learns of the failure and recomputes. B must store none
+    of that KV: the pool would hold it under the right keys with checksums of the wrong bytes, which no verification
+    catches. B's next, new prompt is stored after it (one storer and one committer per worker, each in order), so
+    once its chunks are in the pool, whatever the failed request stored would be there too."""
+    rng = random.Random(41)
+    shared, extension, fresh = random_tokens(rng, 1500), random_tokens(rng, 500), random_tokens(rng, 600)
+    chunks_before = deployment.pool_stats().chunks
+    deployment.a.complete(shared)
+    deployment.wait_chunks(chunks_before + 1500 // CHUNK + 1)  # its full chunks and one tail (220 tokens: a block)
+    scribble(deployment.arena)
+    stats = deployment.pool_stats()
+    prompt = shared + extension
+    assert deployment.b.complete(prompt) == deployment.reference.complete(prompt)
+    discarded = deployment.pool_stats().discarded_chunks - stats.discarded_chunks
+    assert discarded == 1500 // CHUNK  # B's hit: A's full chunks (A's tail is not B's chunk), all scribbled
+    deployment.b.complete(fresh)
+    expected = stats.chunks - discarded + len(fresh) // CHUNK  # the fresh prompt's two full chunks, no tail
+    deployment.wait_chunks(expected)
+    assert deployment.pool_stats().chunks == expected
+
+
+def test_a_hit_is_not_stored_again(deployment):
+    """B's prompt is A's, which the pool holds whole (full chunks and tail): B's worker stores none of it again. It
+    would hash the whole prompt and RESERVE chunks the pool has, after the forward, before the first token: at 128k,
+    512 chunks. B's next, new prompt is stored after it (in order, as above), so once its stores are on B's /metrics
+    B's count of chunks skipped as already held is final."""
+    rng = random.Random(43)
+    prompt, fresh = random_tokens(rng, 1500), random_tokens(rng, 600)
+    chunks_before = deployment.pool_stats().chunks
+    deployment.a.complete(prompt)
+    deployment.wait_chunks(chunks_before + 1500 // CHUNK + 1)
+    skipped, stores = (deployment.b.counter(f"kvshare_pool_{n}_total") for n in ("store_skipped_chunks", "stores"))
+    hits_before = deployment.b.external_hits()
+    assert deployment.b.complete(prompt) == deployment.reference.complete(prompt)
+    assert deployment.b.external_hits() - hits_before == (1500 - 1) // 128 * 128  # every whole block: all of A's
+    deployment.b.complete(fresh)
+    deadline = time.monotonic() + 30
+    while deployment.b.counter("kvshare_pool_stores_total") - stores < len(fresh) // CHUNK:
+        assert time.monotonic() < deadline, f"B's stores never reached /metrics\n{deployment.b.log_tail()}"
+        time.sleep(0.2)
+    assert deployment.b.counter("kvshare_pool_store_skipped_chunks_total") == skipped
+
+
+def scribble(arena_path: str) -> None:
+    """Overwrite every page of the pool's arena with noise, stored chunks included."""
+    noise, step = random.Random(0), 16 << 20
+    with open(arena_path, "r+b") as arena:
+        for _ in range(0, os.path.getsize(arena_path), step):
+            arena.write(noise.randbytes(step))
 
 
 def test_replicas_serve_correctly_with_the_pool_down(deployment):

@@ -7,6 +7,7 @@ Invariants:
 - Every lease taken ends exactly once: when the request is re-queried, when vLLM allocates nothing for it, when
   it finishes unscheduled, or when the worker reports the load over (the lease belongs to this process's pool
   connection, so only this half can end it).
+- A request stores only what comes after the chunks its pool hit found (the pool holds those already).
 - A request returns delay_free=True from request_finished iff a StoreSpec was ever sent for it; the worker half
   tracks the same set and reports each one in get_finished once its copies are done (blocks stay alive until then).
 - A hybrid model (kvshare.integrations.vllm.hybrid): hits end on a chunk boundary where the pool holds the state
@@ -59,7 +60,7 @@ class SchedulerSide:
         self._to_load: dict[str, _Hit] = {}  # allocated, goes into the next metadata
         self._loading: dict[str, PoolHit] = {}  # sent to the worker; lease ends when it reports
         self._requests: dict[str, Request] = {}
-        self._stored: dict[str, int] = {}  # tokens whose chunks were sent for storing
+        self._stored: dict[str, int] = {}  # tokens whose chunks were sent for storing or its hit found held
         self._store_sent: set[str] = set()
         self._prompt_stored: set[str] = set()  # requests whose prompt store (with its tail) was sent
         # Steps planned and not yet reported, oldest first: vLLM reports a step's output (update_connector_output)
@@ -89,8 +90,14 @@ class SchedulerSide:
             return
         if num_external_tokens == 0:
             self._end(found)
-        else:
-            self._to_load[request.request_id] = replace(found, accepted=num_external_tokens)
+            return
+        rid = request.request_id
+        self._to_load[rid] = replace(found, accepted=num_external_tokens)
+        # The pool holds the hit's chunks and those before it: the request stores only what comes after them. Sending
+        # them again made the worker hash the whole prompt and RESERVE chunks the pool already held, after the forward
+        # and before the first token (at 128k, 512 chunks). Should the load fail, the worker stores nothing of the
+        # request at all (WorkerSide.save), and the next request that misses those chunks stores them.
+        self._stored[rid] = max(self._stored.get(rid, 0), found.hit.held(self.chunk))
 
     def worker_reported(self, meta: KVShareWorkerMetadata | None) -> None:
         self._step_over()

@@ -16,6 +16,12 @@ Invariants:
   would stay off /metrics while the replica is idle. It holds the blocks one COMMIT round trip longer.
 - A failed load reports exactly the blocks it was to fill, so vLLM (kv_load_failure_policy "recompute")
   recomputes them; a failed store is a future miss and nothing else.
+- A request whose load failed stores nothing from then on, nor does any request of that step whose store would read
+  one of the failed load's blocks (a block vLLM's prefix cache shared). The step's forward has already read those
+  blocks (bytes that failed verification, or that were never written) and computed the rest of the step on them;
+  vLLM recomputes after the step, but the step's stores run before that, and the pool would then hold wrong bytes
+  under the right keys, with checksums of those bytes, which no verification catches. The next request that misses
+  those chunks stores them.
 - A hybrid model (kvshare.integrations.vllm.hybrid) loads asynchronously: its request is not in the step's forward,
   and the load runs whole in start_load_kv, state first (ConnectorCore verifies it before any K/V copy), then the
   K/V, both verified before the state is written into vLLM's block for the hit boundary; the request is then
@@ -57,6 +63,8 @@ class WorkerSide:
         self._invalid: set[int] = set()  # blocks of failed loads this step
         self._pending: list[tuple[LoadSpec, PendingLoad | None]] = []  # this step's loads, until settled
         self._waited: set[int] = set()  # layers vLLM waited for this step
+        self._step_failed: set[int] = set()  # blocks of this step's failed loads (kept until the next step's load)
+        self._tainted: set[str] = set()  # requests that store nothing more: a load failed under them (see save)
         self._layer_index: dict[str, int] = {}  # vLLM's layer name -> index in the registered KV caches
         self._warned_unwaited = False
 
@@ -81,6 +89,8 @@ class WorkerSide:
     def load(self, meta: KVShareMetadata) -> None:
         """start_load_kv: start every load of the step (settle_loads ends them)."""
         self.settle_loads()  # a step whose loads were never settled (none expected): end them first
+        # A new step: the last one's stores ran in its wait_for_save (or never will), after its loads were settled.
+        self._step_failed = set()
         if self.hybrid is not None:
             for spec in meta.loads:
                 self._load_hybrid(spec)
@@ -157,17 +167,37 @@ class WorkerSide:
                 pending.discard()
             ok = pending is not None and pending.finish()
             if not ok:
-                self._invalid.update(spec.block_range(self.expected.block_size))
+                blocks = spec.block_range(self.expected.block_size)
+                self._invalid.update(blocks)
+                self._step_failed.update(blocks)
+                self._taint(spec.req_id)
             self._loaded.append(spec.req_id)
         self._pending, self._waited = [], set()
 
     def save(self, meta: KVShareMetadata) -> None:
         self.settle_loads()  # first: the loads' copies are over before any store of this step reads blocks
         for spec in meta.stores:
+            if self._tainted_store(spec):
+                self._stores.setdefault(spec.req_id, [])  # reported in get_finished all the same
+                continue
             handle = self.core.store(spec.token_ids, spec.block_ids, spec.num_stored, spec.salt, spec.tail,
                                      self._states_of(spec))
             # Tracked even when the store was skipped (None): the scheduler half delays every request it sent.
             self._stores.setdefault(spec.req_id, []).extend([handle] if handle is not None else [])
+
+    def _tainted_store(self, spec: StoreSpec) -> bool:
+        """Whether the store must not run: its request's load failed, or it reads a block of a load that failed this
+        step (which taints its request too: see the module's invariants)."""
+        if spec.req_id not in self._tainted and self._step_failed.isdisjoint(spec.block_ids):
+            return False
+        self._taint(spec.req_id)
+        return True
+
+    def _taint(self, req_id: str) -> None:
+        if req_id not in self._tainted:
+            self._tainted.add(req_id)
+            log.warning("request %s computed on KV that failed to load: none of its KV is stored (vLLM recomputes "
+                        "it; the next request that misses those chunks stores them)", req_id)
 
     def _states_of(self, spec: StoreSpec) -> dict[int, torch.Tensor] | None:
         """A hybrid store's offered boundary states, packed now (vLLM may reuse those blocks after this step)."""
@@ -184,6 +214,7 @@ class WorkerSide:
 
     def finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests (among those sent stores) that vLLM finished and whose stores are all settled."""
+        self._tainted -= finished_req_ids
         self._finishing |= finished_req_ids & self._stores.keys()
         done = {rid for rid in self._finishing if all(h.settled() for h in self._stores[rid])}
         for rid in done:
