@@ -127,6 +127,7 @@ from connectors_cpu import (  # noqa: E402
 from kvshare.units import parse_size  # noqa: E402
 
 CHUNK = 256  # kvshare's chunk_tokens
+POOL_PAGE = 2 << 20  # the pool's page (`kvshare pool serve`'s default --page-size)
 LOCAL_HITS = "vllm:prefix_cache_hits_total"
 # Where a request's time went, from the replica's /metrics around it (sums of vLLM's per-request histograms, recorded
 # when the request finishes, and the connector's counters; kvshare's only on kvshare replicas): row field -> series
@@ -607,12 +608,16 @@ def pool_rounds(run: Run, cells, store_bytes: int | None = None, arm: str = "kvs
                 knob: str = "--pool-size") -> list[list[tuple[int, int]]]:
     """Cells in rounds whose prompts (with the warm-up) fit in 85% of the store (default: kvshare's pool): A stores a
     round, B loads it."""
-    size = run.meta["pool_bytes"] if store_bytes is None else store_bytes
-    capacity = 0.85 * size - run.args.warmup_len * run.meta["kv_bytes_per_token"]
+    kvb = run.meta["kv_bytes_per_token"]
+    if store_bytes is None:  # kvshare's pool, in whole pages
+        size, footprint = run.meta["pool_bytes"], lambda tokens: pool_footprint(tokens, kvb)
+    else:
+        size, footprint = store_bytes, lambda tokens: tokens * kvb
+    capacity = 0.85 * size - footprint(run.args.warmup_len)
     rounds: list[list[tuple[int, int]]] = [[]]
     used = 0
     for length, rep in cells:
-        need = length * run.meta["kv_bytes_per_token"]
+        need = footprint(length)
         if need > capacity:
             run.skip(arm, "A+B", f"{length} tokens rep {rep}", f"{gib(need)} of K/V exceeds the {store}'s "
                      f"usable {gib(capacity)} ({knob})")
@@ -623,6 +628,16 @@ def pool_rounds(run: Run, cells, store_bytes: int | None = None, arm: str = "kvs
         rounds[-1].append((length, rep))
         used += need
     return [r for r in rounds if r]
+
+
+def pool_footprint(tokens: int, kv_bytes_per_token: int, page_size: int = POOL_PAGE) -> int:
+    """What a prompt of `tokens` takes in kvshare's pool: a chunk occupies whole pages (units never straddle one), so
+    a model whose chunk is small takes far more than its K/V (the tiny model's 256 KiB chunk: one 2 MiB page); one
+    chunk more for a tail or the chunk the answer completes."""
+    if tokens <= 0:
+        return 0
+    chunk = -(-CHUNK * kv_bytes_per_token // page_size) * page_size
+    return (-(-tokens // CHUNK) + 1) * chunk
 
 
 def arm_kvshare(run: Run, http, cells) -> None:
@@ -1339,7 +1354,7 @@ def main() -> None:
     gbps, gbps_source = floor_rate(args)
     kvb = kv_bytes_per_token(model, args.dtype)
     cells = [(length, rep) for rep in range(args.first_rep, args.first_rep + args.reps) for length in args.lengths]
-    need = (sum(length for length, _ in cells) + args.warmup_len) * kvb
+    need = sum(pool_footprint(length, kvb) for length, _ in cells) + pool_footprint(args.warmup_len, kvb)
     pool_bytes = (auto_pool_bytes(need, REPLICA_HOST_BYTES[args.device]) if args.pool_size == "auto"
                   else parse_size(args.pool_size))
     m = machine()

@@ -105,6 +105,22 @@ def test_the_auto_pool_fits_the_host_and_the_prompts_then_go_in_rounds(monkeypat
     assert xr.auto_pool_bytes(100 * gib, 16 * gib) == 10 * gib  # /dev/shm's free space, when it is the smaller
 
 
+def test_a_prompt_takes_whole_pages_in_the_pool():
+    """The tiny model's chunk is 256 KiB of K/V but takes a 2 MiB page: sized by K/V bytes, a 1 GiB pool held one
+    128k prompt of two (512 pages), and B's loads found nothing (evicted). The 32B shape's chunk is 32 whole pages."""
+    xr = harness()
+    mib = 1 << 20
+    assert xr.pool_footprint(131072, 1024) == 513 * 2 * mib  # 512 chunks and one more, a page each
+    assert xr.pool_footprint(131072, 1 << 18) == 513 * 64 * mib  # 64 MiB chunks: their K/V
+    assert xr.pool_footprint(0, 1024) == 0
+    settings = cpu_settings(xr)
+    args = type("Args", (), {"warmup_len": 512})()
+    run = xr.Run(args, settings, Path("out"), 0.0, meta={"pool_bytes": 1 << 30, "kv_bytes_per_token": 1024})
+    assert xr.pool_rounds(run, [(131072, 0), (131072, 1)]) == []  # not even one fits 85% of 1 GiB: both skipped
+    run = xr.Run(args, settings, Path("out"), 0.0, meta={"pool_bytes": 2 << 30, "kv_bytes_per_token": 1024})
+    assert xr.pool_rounds(run, [(131072, 0), (131072, 1)]) == [[(131072, 0)], [(131072, 1)]]
+
+
 def test_each_row_keeps_the_floor_of_the_machine_that_measured_it(tmp_path):
     """A chain's calls can land on different machines (a released machine comes back as a fresh one: session
     seventeen's calls measured 55.1, 55.2 and 51.4 GB/s). A row keeps its call's rate, and each cell's floor is its
