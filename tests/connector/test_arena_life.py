@@ -117,5 +117,9 @@ def test_a_replica_whose_pool_died_maps_none_of_its_arena(engines, tmp_path, ver
         tokens, usage = run(b, prompt, rid="after-restart")
         assert usage.pool_hit_tokens == 0 and tokens == run(off, prompt)[0]
         assert run(a, prompt, rid="after-restart")[0] == run(off, prompt)[0]
+        # Each engine's prefix cache still holds the prompt, so its LOOKUP is skipped and the new pool is first
+        # reached by its store, on the storer thread: wait for those (the check raced them on a loaded machine).
+        for engine in (a, b):
+            engine.connector.core.flush()
         assert mapped(second) == 2 and mapped(first) == 0
     assert not os.path.exists(first)
