@@ -13,13 +13,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_vllm import VLLM_PYTHONS, vllm_python
+from test_vllm import ROOT, VLLM_PYTHONS, vllm_python
 
 from kvshare.pool.testing import start_pool
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-ROOT = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).resolve().parent / "vllm_worker_probe.py"
 MARKER = "KVSHARE-PROBE "
 
