@@ -153,7 +153,13 @@ SHOWN = {("none", "ref"): "none (recompute)", ("kvshare", "B"): "kvshare B (cros
 # kvshare's pool, LMCache's lm:// server and LMCache's L1 take what is available less this (cpu: 2 GiB)
 REPLICA_HOST_BYTES = {"cuda": 16 << 30, "cpu": 2 << 30}
 H200_GBPS = 55.2  # the H200 host's pinned host->device rate (FACTS): the floor on cpu, where none is measured
-HIT_ROLES = {"B", "hit"}  # roles expected to load from a connector
+HIT_ROLES = {"B", "hit"}  # roles expected to load from a connector (a --b-variant's "B-NAME" is a "B")
+VARIANT_NAME = re.compile(r"[a-z0-9]{1,16}")
+
+
+def is_load(role: str) -> bool:
+    """Whether a row of this role loads from a connector: HIT_ROLES, or a kvshare B variant ("B-NAME")."""
+    return role.split("-", 1)[0] in HIT_ROLES
 # What the lmcache arm imports before it starts a replica: LMCache, vLLM's connector for it, and the LMCache adapter
 # that connector builds (scripts/carry_vllm.py's install checks the same three).
 LMCACHE_IMPORTS = ("lmcache", "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector",
@@ -249,10 +255,10 @@ class Run:
         2026-12-03, made a 4k warm-up predict 128k at ~700 s and skip a cell of 31 s)."""
         seen = [r for r in [*self.rows, *self.previous]
                 if r["kind"] != "skipped" and r.get("latency_s") is not None and not r.get("error")]
-        loads = [r["latency_s"] for r in seen if r["length"] == length and r["role"] in HIT_ROLES]
+        loads = [r["latency_s"] for r in seen if r["length"] == length and is_load(r["role"])]
         if hit and loads:
             return max(loads) * 1.2
-        same = [r["latency_s"] for r in seen if r["length"] == length and r["role"] not in HIT_ROLES]
+        same = [r["latency_s"] for r in seen if r["length"] == length and not is_load(r["role"])]
         if same:
             compute = max(same) * 1.2
         else:
@@ -480,7 +486,7 @@ def serve_phase(run: Run, http, arm: str, role: str, kv_config: dict | None, cel
     """One replica: start it and its router, `after_start(replica)` (e.g. kvshare's: until its arena is registered),
     the warm-up, `per_cell` (default: one request) for every cell the budget leaves room for, stop both. Returns the
     cells served."""
-    hit = role in HIT_ROLES
+    hit = is_load(role)
     if not run.fits(run.start_estimate()):
         run.skip(arm, role, "replica start", f"budget: {run.left():.0f} s left")
         return []
@@ -659,22 +665,37 @@ def arm_kvshare(run: Run, http, cells) -> None:
         config = {"kv_connector": connector[0], "kv_connector_module_path": connector[1], "kv_role": "kv_both",
                   "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
         run.meta["kv_transfer_config"]["kvshare"] = config
+        replicas = 2 + len(run.args.b_variant)  # A, B and B's variants (each a start, each loading every cell)
         for i, round_cells in enumerate(pool_rounds(run, cells)):
-            # B must have room too: A's phase only if both fit (B's requests are loads, its start a full start)
-            round_cells = within_budget(run, "kvshare", round_cells, lambda cells: 2 * run.start_estimate() + sum(
-                run.request_estimate(n, False) + run.request_estimate(n, True) for n, _ in cells))
+            # B (and its variants) must have room too: A's phase only if all fit (B's requests are loads)
+            round_cells = within_budget(run, "kvshare", round_cells, lambda cells: replicas * run.start_estimate() +
+                                        sum(run.request_estimate(n, False) + (replicas - 1) *
+                                            run.request_estimate(n, True) for n, _ in cells))
             if not round_cells:
                 continue
             print(f"kvshare round {i}: {round_cells}", flush=True)
             stored = serve_phase(run, http, "kvshare", "A", config, round_cells,
                                  before_stop=lambda: wait_for_stores(run, str(sock), "kvshare", "A"),
                                  after_start=lambda replica: wait_for_registration(run, replica, "kvshare", "A"))
-            serve_phase(run, http, "kvshare", "B", config, stored,
-                        after_start=lambda replica: wait_for_registration(run, replica, "kvshare", "B"))
+            for role, b_config in [("B", config), *variant_configs(run, config)]:
+                serve_phase(run, http, "kvshare", role, b_config, stored,
+                            after_start=lambda replica, role=role: wait_for_registration(run, replica, "kvshare",
+                                                                                         role))
     finally:
         run.stop(pool)
         arena.unlink(missing_ok=True)
         sock.unlink(missing_ok=True)
+
+
+def variant_configs(run: Run, config: dict) -> list[tuple[str, dict]]:
+    """--b-variant's replicas: (role "B-NAME", B's kv_transfer_config with NAME's JSON merged into its extra config).
+    Each starts after B, on the same pool and the same stored prompts, so B and its variants load the same bytes."""
+    out = []
+    for name, extra in run.args.b_variant:
+        variant = {**config, "kv_connector_extra_config": {**config["kv_connector_extra_config"], **extra}}
+        run.meta["kv_transfer_config"][f"kvshare B-{name}"] = variant
+        out.append((f"B-{name}", variant))
+    return out
 
 
 def store_then_hit(run: Run, arm: str, settle):
@@ -977,6 +998,17 @@ ARMS = {"none": arm_none, "kvshare": arm_kvshare, "offload": arm_offload, "lmcac
 
 
 # ---- report --------------------------------------------------------------------------------------------------------
+def shown(rows: list[dict]) -> dict[tuple[str, str], str]:
+    """SHOWN, with each kvshare B variant the rows hold right after kvshare B."""
+    variants = sorted({r["role"] for r in rows if r["arm"] == "kvshare" and r["role"].startswith("B-")})
+    out = {}
+    for key, label in SHOWN.items():
+        out[key] = label
+        if key == ("kvshare", "B"):
+            out.update({("kvshare", role): f"kvshare {role} (cross-replica load, --b-variant)" for role in variants})
+    return out
+
+
 def summarise(run: Run) -> dict:
     kvb = run.meta["kv_bytes_per_token"]
     rows = [r for r in [*run.previous, *run.rows] if r["kind"] == "measured"]
@@ -984,7 +1016,7 @@ def summarise(run: Run) -> dict:
     for length in sorted({r["length"] for r in rows}):
         off = [r["ttft_s"] for r in rows if (r["arm"], r["role"]) == ("none", "ref") and r["length"] == length
                and r["ttft_s"] is not None]
-        for (arm, role), label in SHOWN.items():
+        for (arm, role), label in shown(rows).items():
             mine = [r for r in rows if (r["arm"], r["role"], r["length"]) == (arm, role, length)]
             if not mine:
                 continue
@@ -1046,7 +1078,7 @@ def timeline_table(summary: dict) -> str:
              "loaded GB/s | floor (s) |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for c in summary["cells"]:
         t = c.get("timeline") or {}
-        if c["role"] not in HIT_ROLES or t.get("vllm_ttft_s") is None:
+        if not is_load(c["role"]) or t.get("vllm_ttft_s") is None:
             continue
         outside = None if c["median_ttft_s"] is None else c["median_ttft_s"] - t["vllm_ttft_s"]
         rate = (t["kvshare_load_bytes"] / t["kvshare_load_s"] / 1e9 if t.get("kvshare_load_s") and
@@ -1191,6 +1223,9 @@ def parse_args() -> argparse.Namespace:
                    "(cpu: 2; else the prompts go in rounds), at least 1 GiB")
     p.add_argument("--kvshare-config", type=json.loads, default={}, help="JSON merged into kvshare's "
                    "kv_connector_extra_config (e.g. '{\"stream_priority\": \"high\"}'; default: none)")
+    p.add_argument("--b-variant", action="append", default=[], metavar="NAME=JSON", help="one more kvshare B "
+                   "replica after B, on the same pool and prompts, with JSON merged into its extra config (e.g. "
+                   "waves2='{\"load_waves\": 2}'); its rows' role is B-NAME; repeatable (default: none)")
     p.add_argument("--timed-hooks", action="store_true", help="kvshare's replicas run the connector with each hook "
                    "timed (experiments/timed_connector.py): the hooks over 1 ms, per request, in rows and report "
                    "(default: off)")
@@ -1267,6 +1302,9 @@ def parse_args() -> argparse.Namespace:
     args.arms.sort(key=lambda a: a != "none")  # references first
     if not isinstance(args.kvshare_config, dict):
         p.error("--kvshare-config: a JSON object, e.g. '{\"stream_priority\": \"high\"}'")
+    args.b_variant = [parse_variant(p, text) for text in args.b_variant]
+    if len({name for name, _ in args.b_variant}) < len(args.b_variant):
+        p.error("--b-variant: each NAME once")
     args.vllm_python = args.vllm_python or ("python3" if cuda else str(ROOT / ".venv-vllm" / "bin" / "python"))
     if os.sep in args.vllm_python:  # a path: replicas start in the work folder. abspath, not resolve(): a venv's
         args.vllm_python = os.path.abspath(args.vllm_python)  # python is a symlink that must stay one
@@ -1290,6 +1328,21 @@ def parse_args() -> argparse.Namespace:
     args.max_num_batched_tokens = args.max_num_batched_tokens or (None if cuda else 4096)
     args.work = args.work or (args.out / "procs" if cuda else ROOT / ".runs" / "vllm-cross-replica")
     return args
+
+
+def parse_variant(p: argparse.ArgumentParser, text: str) -> tuple[str, dict]:
+    """--b-variant NAME=JSON: (NAME, the JSON object); a bad one is a one-line usage error."""
+    name, _, raw = text.partition("=")
+    if not VARIANT_NAME.fullmatch(name):
+        p.error(f"--b-variant {text!r}: NAME=JSON with NAME of 1-16 lowercase letters and digits, e.g. "
+                "waves2='{\"load_waves\": 2}'")
+    try:
+        extra = json.loads(raw)
+    except json.JSONDecodeError as error:
+        p.error(f"--b-variant {name}: its JSON does not parse ({error})")
+    if not isinstance(extra, dict) or not extra:
+        p.error(f"--b-variant {name}: a non-empty JSON object, e.g. '{{\"load_waves\": 2}}'")
+    return name, extra
 
 
 def floor_rate(args) -> tuple[float, str]:

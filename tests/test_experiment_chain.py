@@ -161,3 +161,35 @@ def test_timed_hooks_are_read_per_request_and_summarised_per_cell(tmp_path):
     assert xr.hook_seconds(tmp_path / "gone.log", 0) == {}
     rows = [{"kvshare_hooks": hooks}, {"kvshare_hooks": {"start_load_kv": 0.705}}, {"other": 1}]
     assert xr.median_hooks(rows) == pytest.approx({"get_num_new_matched_tokens": 0.006, "start_load_kv": 0.695})
+
+
+@pytest.mark.parametrize("variant, says", [("Waves=2", "NAME=JSON with NAME of 1-16"),
+                                           ("waves2={load_waves: 2}", "its JSON does not parse"),
+                                           ("waves2=[2]", "a non-empty JSON object")])
+def test_a_bad_b_variant_is_one_line(tmp_path, variant, says):
+    done = experiment("--b-variant", variant, "--out", str(tmp_path / "out"))
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and says in done.stderr.splitlines()[-1]
+
+
+def test_a_b_variant_is_a_cell_of_its_own_and_a_load(tmp_path):
+    """--b-variant NAME=JSON: its replica's rows (role B-NAME) make a cell of their own next to kvshare B's, are loads
+    for the request estimate and the timeline table, and its replica runs B's config with the JSON merged in."""
+    xr = harness()
+    row = {"kind": "measured", "arm": "kvshare", "length": 131072, "repeat": 0, "error": "", "latency_s": 1.0,
+           "external_hit_tokens": 131056.0, "local_hit_tokens": 0.0, "exact": True, "first_token_equal": True,
+           "vllm_ttft_s": 0.9}
+    rows = [{**row, "role": "B", "ttft_s": 1.0}, {**row, "role": "B-waves2", "ttft_s": 0.9},
+            {**row, "role": "A", "ttft_s": 30.0, "latency_s": 30.0}]
+    args = SimpleNamespace(b_variant=[("waves2", {"load_waves": 2})], start_estimate=90)
+    run = xr.Run(args, cpu_settings(xr), tmp_path, 0.0, previous=rows, meta={"kv_bytes_per_token": 1 << 18,
+                                                                               "gbps": 55.2, "kv_transfer_config": {}})
+    cells = {c["role"]: c for c in xr.summarise(run)["cells"]}
+    assert [c for c in cells] == ["B", "B-waves2", "A"]  # the variant right after B
+    assert (cells["B"]["median_ttft_s"], cells["B-waves2"]["median_ttft_s"]) == (1.0, 0.9)
+    assert run.request_estimate(131072, True) == pytest.approx(1.2)  # the variant's load is a load, not a compute
+    assert "B-waves2" in xr.timeline_table({"cells": list(cells.values())})
+    config = {"kv_connector": "KVShareConnector", "kv_connector_extra_config": {"pool": "p", "load_waves": 1}}
+    [(role, variant)] = xr.variant_configs(run, config)
+    assert role == "B-waves2" and variant["kv_connector_extra_config"] == {"pool": "p", "load_waves": 2}
+    assert config["kv_connector_extra_config"]["load_waves"] == 1  # B's own config untouched
