@@ -27,10 +27,10 @@ class ConnectorConfig:
     # DMA, hashes) at the device's highest stream priority, so a store overlapping a long prefill is not starved by
     # its kernels (TransferOptions.stream_priority; on the H200 stores kept up at "normal" too, so it is the default)
     load_waves: int = 1  # a hit loads in this many layer waves, the forward reading each layer once that layer has
-    # landed (kvshare.transfer.waves); 1: the whole load before the forward. 1 here, for vLLM, whose CUDA forward
-    # with waves has not been measured yet (vLLM 0.26 runs on the H200 since 2026-12-03: the experiment's
-    # `--kvshare-config '{"load_waves": 2}'`); `kvshare serve` defaults to 2, measured on its engine (H200 runs 28-29;
-    # docs/architecture.md)
+    # landed (kvshare.transfer.waves); 1: the whole load before the forward. 1 for vLLM: inside vLLM 0.26 on an H100
+    # two waves made B's 128k hit slower, 0.902 s against 0.825 s (the load at 49.2 GB/s instead of 53.0, and the
+    # forward they could hide is short; docs/results/h200-vllm/gpu/session19-h100). `kvshare serve` defaults to 2,
+    # measured on its engine (H200 runs 28-29; docs/architecture.md)
     unsafe_skip_state_load: bool = False  # TESTS ONLY, the negative control of hybrid sharing: load a hit's attention
     # K/V but not its linear-attention state (the bug that garbled ~40% of answers elsewhere); no flag sets it
 
