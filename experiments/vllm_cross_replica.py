@@ -50,6 +50,9 @@ Each measured row keeps its call's rate, and each cell's floor comes from its ow
 run on another machine (three H100s of one session measured 51.4-55.2 GB/s).
 Hooks: with `--timed-hooks` kvshare's replicas run experiments/timed_connector.py's connector, and each kvshare row
 holds the seconds each connector hook took (those over 1 ms) during its request, read from the replica's log.
+Variants: each `--b-variant NAME=JSON` starts one more B replica after B, on the same pool and the same stored
+prompts, with JSON merged into its kv_connector_extra_config; its rows have role B-NAME and a cell of their own, so
+settings of B (load waves, verification) are compared on the same bytes in one call.
 Weights: `--quantization fp8` has every replica of every arm quantize its bf16 weights to fp8 as it loads them
 (vLLM's online quantization, layer by layer also for dummy weights): ~32 GiB instead of 61 GiB for the 32B shape,
 so that 128k fits one 80 GB H100 beside them. The K/V stays bf16, so what a hit moves is unchanged; each row
