@@ -157,12 +157,7 @@ SHOWN = {("none", "ref"): "none (recompute)", ("kvshare", "B"): "kvshare B (cros
 REPLICA_HOST_BYTES = {"cuda": 16 << 30, "cpu": 2 << 30}
 H200_GBPS = 55.2  # the H200 host's pinned host->device rate (FACTS): the floor on cpu, where none is measured
 HIT_ROLES = {"B", "hit"}  # roles expected to load from a connector (a --b-variant's "B-NAME" is a "B")
-VARIANT_NAME = re.compile(r"[a-z0-9]{1,16}")
-
-
-def is_load(role: str) -> bool:
-    """Whether a row of this role loads from a connector: HIT_ROLES, or a kvshare B variant ("B-NAME")."""
-    return role.split("-", 1)[0] in HIT_ROLES
+VARIANT_NAME = re.compile(r"[a-z0-9]{1,16}")  # --b-variant NAME=JSON
 # What the lmcache arm imports before it starts a replica: LMCache, vLLM's connector for it, and the LMCache adapter
 # that connector builds (scripts/carry_vllm.py's install checks the same three).
 LMCACHE_IMPORTS = ("lmcache", "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector",
@@ -177,6 +172,11 @@ LMCACHE_MP_WATERMARK = 0.95
 # The rate the budget plans with for LMCache's lm:// server (a Python socket server, one connection a replica): its
 # puts and gets of 64 MiB chunks ran at 0.3-0.9 GB/s on a 2-core CPU machine; a planning guess for the H200 host.
 LM_SERVER_GBPS = 1.0
+
+
+def is_load(role: str) -> bool:
+    """Whether a row of this role loads from a connector: HIT_ROLES, or a kvshare B variant ("B-NAME")."""
+    return role.split("-", 1)[0] in HIT_ROLES
 
 
 class Stop(Exception):

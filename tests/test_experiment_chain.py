@@ -179,7 +179,7 @@ def test_a_b_variant_is_a_cell_of_its_own_and_a_load(tmp_path):
     row = {"kind": "measured", "arm": "kvshare", "length": 131072, "repeat": 0, "error": "", "latency_s": 1.0,
            "external_hit_tokens": 131056.0, "local_hit_tokens": 0.0, "exact": True, "first_token_equal": True,
            "vllm_ttft_s": 0.9}
-    rows = [{**row, "role": "B", "ttft_s": 1.0}, {**row, "role": "B-waves2", "ttft_s": 0.9},
+    rows = [{**row, "role": "B", "ttft_s": 1.0}, {**row, "role": "B-waves2", "ttft_s": 0.9, "latency_s": 1.5},
             {**row, "role": "A", "ttft_s": 30.0, "latency_s": 30.0}]
     args = SimpleNamespace(b_variant=[("waves2", {"load_waves": 2})], start_estimate=90)
     run = xr.Run(args, cpu_settings(xr), tmp_path, 0.0, previous=rows, meta={"kv_bytes_per_token": 1 << 18,
@@ -187,7 +187,7 @@ def test_a_b_variant_is_a_cell_of_its_own_and_a_load(tmp_path):
     cells = {c["role"]: c for c in xr.summarise(run)["cells"]}
     assert [c for c in cells] == ["B", "B-waves2", "A"]  # the variant right after B
     assert (cells["B"]["median_ttft_s"], cells["B-waves2"]["median_ttft_s"]) == (1.0, 0.9)
-    assert run.request_estimate(131072, True) == pytest.approx(1.2)  # the variant's load is a load, not a compute
+    assert run.request_estimate(131072, True) == pytest.approx(1.8)  # the variant's load (1.5 s) is a load
     assert "B-waves2" in xr.timeline_table({"cells": list(cells.values())})
     config = {"kv_connector": "KVShareConnector", "kv_connector_extra_config": {"pool": "p", "load_waves": 1}}
     [(role, variant)] = xr.variant_configs(run, config)
