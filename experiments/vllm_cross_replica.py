@@ -1308,6 +1308,8 @@ def parse_args() -> argparse.Namespace:
     args.b_variant = [parse_variant(p, text) for text in args.b_variant]
     if len({name for name, _ in args.b_variant}) < len(args.b_variant):
         p.error("--b-variant: each NAME once")
+    if args.b_variant and "kvshare" not in args.arms:
+        p.error("--b-variant: its replicas are kvshare B replicas; add kvshare to --arms")
     args.vllm_python = args.vllm_python or ("python3" if cuda else str(ROOT / ".venv-vllm" / "bin" / "python"))
     if os.sep in args.vllm_python:  # a path: replicas start in the work folder. abspath, not resolve(): a venv's
         args.vllm_python = os.path.abspath(args.vllm_python)  # python is a symlink that must stay one

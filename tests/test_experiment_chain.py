@@ -172,6 +172,12 @@ def test_a_bad_b_variant_is_one_line(tmp_path, variant, says):
     assert "Traceback" not in done.stderr and says in done.stderr.splitlines()[-1]
 
 
+def test_a_b_variant_without_the_kvshare_arm_is_one_line(tmp_path):
+    done = experiment("--b-variant", "waves2={\"load_waves\": 2}", "--arms", "none", "--out", str(tmp_path / "out"))
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and "add kvshare to --arms" in done.stderr.splitlines()[-1]
+
+
 def test_a_b_variant_is_a_cell_of_its_own_and_a_load(tmp_path):
     """--b-variant NAME=JSON: its replica's rows (role B-NAME) make a cell of their own next to kvshare B's, are loads
     for the request estimate and the timeline table, and its replica runs B's config with the JSON merged in."""
