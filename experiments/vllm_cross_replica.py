@@ -127,10 +127,10 @@ from connectors_cpu import (  # noqa: E402
     wait_for,
 )
 
+from kvshare.pool.config import DEFAULT_PAGE_SIZE  # noqa: E402
 from kvshare.units import parse_size  # noqa: E402
 
 CHUNK = 256  # kvshare's chunk_tokens
-POOL_PAGE = 2 << 20  # the pool's page (`kvshare pool serve`'s default --page-size)
 LOCAL_HITS = "vllm:prefix_cache_hits_total"
 # Where a request's time went, from the replica's /metrics around it (sums of vLLM's per-request histograms, recorded
 # when the request finishes, and the connector's counters; kvshare's only on kvshare replicas): row field -> series
@@ -639,7 +639,7 @@ def pool_rounds(run: Run, cells, store_bytes: int | None = None, arm: str = "kvs
     return [r for r in rounds if r]
 
 
-def pool_footprint(tokens: int, kv_bytes_per_token: int, page_size: int = POOL_PAGE) -> int:
+def pool_footprint(tokens: int, kv_bytes_per_token: int, page_size: int = DEFAULT_PAGE_SIZE) -> int:
     """What a prompt of `tokens` takes in kvshare's pool: a chunk occupies whole pages (units never straddle one), so
     a model whose chunk is small takes far more than its K/V (the tiny model's 256 KiB chunk: one 2 MiB page); one
     chunk more for a tail or the chunk the answer completes."""
@@ -668,7 +668,8 @@ def arm_kvshare(run: Run, http, cells) -> None:
         config = {"kv_connector": connector[0], "kv_connector_module_path": connector[1], "kv_role": "kv_both",
                   "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
         run.meta["kv_transfer_config"]["kvshare"] = config
-        replicas = 2 + len(run.args.b_variant)  # A, B and B's variants (each a start, each loading every cell)
+        b_configs = [("B", config), *variant_configs(run, config)]  # B, then its variants, on the same pool
+        replicas = 1 + len(b_configs)  # A, B and B's variants (each a start, each B loading every cell)
         for i, round_cells in enumerate(pool_rounds(run, cells)):
             # B (and its variants) must have room too: A's phase only if all fit (B's requests are loads)
             round_cells = within_budget(run, "kvshare", round_cells, lambda cells: replicas * run.start_estimate() +
@@ -680,7 +681,7 @@ def arm_kvshare(run: Run, http, cells) -> None:
             stored = serve_phase(run, http, "kvshare", "A", config, round_cells,
                                  before_stop=lambda: wait_for_stores(run, str(sock), "kvshare", "A"),
                                  after_start=lambda replica: wait_for_registration(run, replica, "kvshare", "A"))
-            for role, b_config in [("B", config), *variant_configs(run, config)]:
+            for role, b_config in b_configs:
                 serve_phase(run, http, "kvshare", role, b_config, stored,
                             after_start=lambda replica, role=role: wait_for_registration(run, replica, "kvshare",
                                                                                          role))
