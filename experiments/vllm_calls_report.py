@@ -54,7 +54,7 @@ def parse_call(text: str) -> tuple[Path, set[str] | None]:
 
 def load_call(text: str) -> tuple[dict, list[dict]]:
     """One call's summary, narrowed to the arms kept (its skips, failures and "kept_arms"), and the rows kept of
-    it."""
+    it, each with the floor rate its call measured."""
     path, arms = parse_call(text)
     if not path.is_file():
         raise CallError(f"{text}: no such file (a call's OUT/rows.jsonl, optionally :ARM,ARM)")
@@ -66,6 +66,8 @@ def load_call(text: str) -> tuple[dict, list[dict]]:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     except json.JSONDecodeError as error:
         raise CallError(f"{path.parent}: not a call's output ({error})") from None
+    # Rows from before rows carried their rate take their own call's, not the first call's (row_rate's fallback).
+    rows = [{**r, "gbps": r.get("gbps") or summary.get("gbps")} for r in rows]
     if arms is None:
         return summary, rows
     summary["kept_arms"] = sorted(arms)

@@ -42,8 +42,9 @@ def pool(*calls: str, out: Path) -> subprocess.CompletedProcess:
 def test_calls_pool_into_one_report_and_figure(tmp_path):
     first = write_call(tmp_path / "one", [row("kvshare", "B", 1.0, gbps=55.0)])
     second = write_call(tmp_path / "two", [row("kvshare", "B", 0.8, gbps=51.0)], gbps=51.0)
-    # an earlier session's call: its references are wanted, its loads (another code's) are not
-    earlier = write_call(tmp_path / "old", [row("none", "ref", 30.0), row("kvshare", "B", 5.0)],
+    # an earlier session's call: its references are wanted, its loads (another code's) are not; its rows predate
+    # rows carrying their rate
+    earlier = write_call(tmp_path / "old", [row("none", "ref", 30.0), row("kvshare", "B", 5.0)], gbps=50.0,
                          skipped=[{"arm": "kvshare", "role": "B", "what": "x", "why": "budget"}])
     done = pool(str(first), str(second), f"{earlier}:none", out=tmp_path / "pooled")
     assert done.returncode == 0, done.stderr
@@ -53,6 +54,7 @@ def test_calls_pool_into_one_report_and_figure(tmp_path):
     assert (b["n"], b["median_ttft_s"], b["min_ttft_s"], b["max_ttft_s"]) == (2, 0.9, 0.8, 1.0)  # not the 5.0
     assert b["speedup_vs_none"] == 30.0 / 0.9
     assert b["floor_s"] == 131072 * (1 << 18) / 53.0e9  # each row's own call's rate
+    assert cells[("none", "ref")]["floor_s"] == 131072 * (1 << 18) / 50.0e9  # its call's, not the first call's
     kept = [json.loads(line) for line in (tmp_path / "pooled" / "rows.jsonl").read_text().splitlines()]
     assert sorted(r["ttft_s"] for r in kept) == [0.8, 1.0, 30.0]
     report = (tmp_path / "pooled" / "report.md").read_text()
