@@ -11,6 +11,7 @@ deployment already on those ports.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import re
@@ -122,3 +123,21 @@ def port_is_free(port: int) -> bool:
             return True
         except OSError:
             return False
+
+
+def completions(output: str) -> list[dict]:
+    """The completions (JSON objects with "usage") a block's `ask` printed, in order. Each is read from the start of
+    its line and what follows it on that line is ignored: the block's background servers share its output, and a
+    log line of theirs can land between curl's body and the `echo` that ends it (CI, 2026-12-06: a /health access
+    line right after the JSON)."""
+    found = []
+    for line in output.splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            answer, _ = json.JSONDecoder().raw_decode(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(answer, dict) and "usage" in answer:
+            found.append(answer)
+    return found

@@ -5,11 +5,10 @@ replica and leaves nothing running."""
 from __future__ import annotations
 
 import argparse
-import json
 import re
 
 import pytest
-from readme_blocks import README, block_after, port_is_free, rewrite, run_block
+from readme_blocks import README, block_after, completions, port_is_free, rewrite, run_block
 
 from kvshare.cli import GROUPS, build
 
@@ -70,17 +69,6 @@ def test_the_pieces_table_lists_every_command():
     assert not missing, f"commands the README's Pieces table does not list: {sorted(missing)}"
 
 
-def completions(output: str) -> list[dict]:
-    """The JSON answers the block's `ask` printed, in order."""
-    answers = []
-    for line in output.splitlines():
-        if line.startswith("{"):
-            answer = json.loads(line)
-            if "usage" in answer:
-                answers.append(answer)
-    return answers
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_hand_deployment_runs_as_written_and_shows_a_pool_hit(tmp_path):
@@ -97,3 +85,11 @@ def test_the_hand_deployment_runs_as_written_and_shows_a_pool_hit(tmp_path):
     assert not run.leftovers, f"the block left processes running: {run.leftovers}"
     assert not (block.folders["/tmp/kvshare"] / "pool.sock").exists()  # the pool shut down and removed its socket
     assert all(port_is_free(port) for port in block.ports.values())
+
+
+def test_a_server_log_line_after_an_answer_does_not_hide_it():
+    """The blocks' background servers share their output: a log line can land between curl's JSON and the `echo`
+    that ends its line (CI, 2026-12-06). The answer is still read; lines that are not answers are not."""
+    output = ('{"id":"a","usage":{"prompt_tokens":3}}INFO:     127.0.0.1:33804 - "GET /health HTTP/1.1" 200 OK\n'
+              '{"chunks": 4}\n{not json\nINFO: {"id"\n{"id":"b","usage":{"prompt_tokens":3}}\n')
+    assert [a["id"] for a in completions(output)] == ["a", "b"]

@@ -7,12 +7,11 @@ server's /tokenize and /detokenize through the router to align its random prompt
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 
 import pytest
-from readme_blocks import ROOT, block_after, port_is_free, rewrite, run_block
+from readme_blocks import ROOT, block_after, completions, port_is_free, rewrite, run_block
 
 from kvshare.pool.testing import start_pool
 from kvshare.processes import ServerProcess, free_port, kvshare_argv
@@ -49,7 +48,7 @@ def test_the_readme_vllm_block_shares_the_pool_and_benchmarks_through_the_router
     block = rewrite(block_after(README_MARKER), tmp_path, folders=("/tmp/kvshare", "models/small"))
     run = run_block(block.script, tmp_path / "block.log", timeout_s=1300)
     assert run.returncode == 0, run.output[-8000:]
-    answers = [json.loads(line) for line in run.output.splitlines() if line.startswith('{"id"')]
+    answers = completions(run.output)
     assert len(answers) == 2 and all(a["choices"][0]["text"] for a in answers), run.output[-8000:]
     hits = re.search(r"^vllm:external_prefix_cache_hits_total\{[^}]*\} (\S+)$", run.output, re.MULTILINE)
     prompt_tokens = answers[0]["usage"]["prompt_tokens"]
